@@ -1,0 +1,1 @@
+"""dflash_llama.bench"""

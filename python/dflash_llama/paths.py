@@ -1,0 +1,40 @@
+"""Where the built pieces live: native tools installed with the package, the pinned llama.cpp.
+
+Tools are found next to the compiled module (installed by CMake into `dflash_llama/bin`), never
+by guessing from PATH, so the binaries always match the pinned llama.cpp of this build.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PEER_TOOLS = ("llama-speculative-simple", "llama-completion", "llama-bench", "llama-server",
+              "llama-quantize")
+
+
+def native_dir() -> Path:
+    """The folder holding the compiled module `_core` and `bin/`."""
+    from . import _core
+
+    return Path(_core.__file__).resolve().parent
+
+
+def tool(name: str) -> Path:
+    """Path of a native tool of this build (`llama-dflash-cli` or a peer tool)."""
+    path = native_dir() / "bin" / name
+    if not path.exists():
+        hint = ("rebuild with DFLASH_LLAMA_PEER_TOOLS=ON (./setup.sh does)"
+                if name in PEER_TOOLS else "rebuild the package (./setup.sh)")
+        raise FileNotFoundError(f"{name} is not built at {path}: {hint}")
+    return path
+
+
+def llama_cpp_dir() -> Path:
+    """The pinned llama.cpp tree: a copy installed with the package, else the source checkout's."""
+    for candidate in (native_dir() / "llama.cpp",
+                      Path(__file__).resolve().parents[2] / "third_party" / "llama.cpp"):
+        if (candidate / "convert_hf_to_gguf.py").exists():
+            return candidate
+    raise FileNotFoundError(
+        "the pinned llama.cpp tree is missing: run python third_party/fetch_llama_cpp.py "
+        "(./setup.sh does)")

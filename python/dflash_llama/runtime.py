@@ -1,0 +1,249 @@
+"""Python API over the C++ runtime: a GGUF target and a DFlash GGUF draft, decoding together.
+
+    rt = dflash_llama.Runtime("target.gguf", "draft.gguf", n_threads=2)
+    out = rt.generate("def fib(n):", max_new_tokens=64)      # greedy: equals rt.autoregressive(...)
+    out.tokens, out.text, out.steps, out.tau, out.stats
+    for piece in rt.generate("def fib(n):", 64, stream=True): print(piece, end="")
+
+Compute runs in C++ with the GIL released; errors arrive as exceptions (ValueError for bad input).
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import queue
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+
+@dataclass
+class Step:
+    drafted: list[int]  # drafted tokens the target verified
+    accepted: int  # how many of them the target agreed with
+    produced: int  # tokens the step added (accepted + 1, fewer at a stop)
+
+
+@dataclass
+class Stats:
+    n_prompt: int
+    n_generated: int
+    t_prefill_ms: float
+    t_draft_ms: float
+    t_verify_ms: float
+    t_other_ms: float
+    t_total_ms: float
+    tokens_per_second: float  # generation only, prefill excluded
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # generated ids, prompt excluded
+    text: str
+    steps: list[Step]  # one per target verify; empty for autoregressive decoding
+    tau: float  # mean tokens produced per verify (0 for autoregressive)
+    stop_reason: str  # "max_tokens", "stop_token" or "context_full"
+    acceptance_by_position: list[float]
+    stats: Stats
+
+    def to_json(self) -> dict:
+        """The `dflash-llama generate --json` schema, shared with the reference engine."""
+        return {
+            "tokens": self.tokens,
+            "text": self.text,
+            "steps": [asdict(s) for s in self.steps],
+            "tau": self.tau,
+            "stop_reason": self.stop_reason,
+            "acceptance_by_position": self.acceptance_by_position,
+            "stats": asdict(self.stats),
+        }
+
+
+@dataclass
+class Stream:
+    """Iterator of text pieces; `.result` holds the Generation once the iterator is exhausted."""
+
+    _pieces: Iterator[str]
+    result: Generation | None = field(default=None)
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces
+
+
+class Runtime:
+    def __init__(self, target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
+                 n_threads: int = 0, n_ctx: int = 4096, n_batch: int = 512, n_gpu_layers: int = 0,
+                 verbose: bool = False):
+        from . import _core
+
+        self._engine = _core.Engine(os.fspath(target), os.fspath(draft) if draft else "",
+                                    n_threads, n_ctx, n_batch, n_gpu_layers, verbose)
+        self._core = _core
+        self._lock = threading.Lock()  # one sequence at a time
+
+    # -- properties -------------------------------------------------------------------------
+    @property
+    def has_draft(self) -> bool:
+        return self._engine.has_draft
+
+    @property
+    def n_ctx(self) -> int:
+        return self._engine.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return self._engine.n_vocab
+
+    @property
+    def n_embd(self) -> int:
+        return self._engine.n_embd
+
+    @property
+    def n_layer(self) -> int:
+        return self._engine.n_layer
+
+    @property
+    def block_size(self) -> int:
+        return self._engine.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self._engine.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self._engine.target_layer_ids)
+
+    # -- text ---------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return list(self._engine.tokenize(text, add_special))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self._engine.detokenize(list(tokens)).decode("utf-8", errors="replace")
+
+    # -- decoding -----------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, *, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, block_size: int | None = None,
+                 draft_max: int | None = None, stop_tokens: Sequence[int] = (), stop_at_eog: bool = True,
+                 stream: bool = False) -> Generation | Stream:
+        """DFlash speculative decoding. Greedy (temperature 0) output equals `autoregressive`."""
+        if not self.has_draft:
+            raise ValueError("this Runtime has no draft: pass draft=..., or use autoregressive()")
+        params = self._params(max_new_tokens, temperature, top_p, top_k, seed, block_size, draft_max,
+                              stop_tokens, stop_at_eog)
+        return self._run(self._engine.generate, prompt, params, stream)
+
+    def autoregressive(self, prompt: str | Sequence[int], max_new_tokens: int = 128, *,
+                       temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                       stop_tokens: Sequence[int] = (), stop_at_eog: bool = True,
+                       stream: bool = False) -> Generation | Stream:
+        """Plain target decoding, one token per target decode."""
+        params = self._params(max_new_tokens, temperature, top_p, top_k, seed, None, None,
+                              stop_tokens, stop_at_eog)
+        return self._run(self._engine.autoregressive, prompt, params, stream)
+
+    def capture(self, tokens: Sequence[int], layer_ids: Sequence[int] | None = None) -> np.ndarray:
+        """Target features of `tokens`: float32 [n_tokens, n_taps * n_embd], taps concatenated.
+
+        layer_ids are Hugging Face ids (hidden_states[id + 1]); default: the draft's target layers.
+        """
+        ids = list(layer_ids) if layer_ids is not None else self.target_layer_ids
+        with self._lock:
+            return self._engine.capture(self._check_tokens(tokens), ids)
+
+    def trace_draft(self, features: np.ndarray, block: Sequence[int]) -> dict[str, np.ndarray]:
+        """Every named draft intermediate (float32, NumPy order) for context `features`
+        ([n_ctx_tokens, n_taps * n_embd], at positions 0..) and a `block` at the next positions.
+        `result_output` holds the logits of block positions 1..B-1: [B-1, n_vocab]."""
+        feats = np.ascontiguousarray(features, dtype=np.float32)
+        if feats.ndim != 2:
+            raise ValueError(f"features must be 2-D [n_tokens, n_taps * n_embd], got shape {feats.shape}")
+        with self._lock:
+            return dict(self._engine.trace_draft(feats, list(block)))
+
+    # -- internals ----------------------------------------------------------------------------
+    def _params(self, max_new_tokens, temperature, top_p, top_k, seed, block_size, draft_max,
+                stop_tokens, stop_at_eog):
+        p = self._core.GenerateParams()
+        p.max_new_tokens = int(max_new_tokens)
+        p.temperature = float(temperature)
+        p.top_p = float(top_p)
+        p.top_k = int(top_k)
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        p.seed = int(seed)
+        p.block_size = int(block_size or 0)
+        p.draft_max = -1 if draft_max is None else int(draft_max)
+        if draft_max is not None and draft_max < 1:
+            raise ValueError(f"draft_max must be at least 1, got {draft_max}")
+        p.stop_tokens = [int(t) for t in stop_tokens]
+        p.stop_at_eog = bool(stop_at_eog)
+        return p
+
+    def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
+        tokens = [int(t) for t in tokens]
+        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
+        if bad:
+            raise ValueError(f"token {bad[0]} is outside the vocabulary of {self.n_vocab} tokens")
+        return tokens
+
+    def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenize(prompt)
+        return self._check_tokens(prompt)
+
+    def _generation(self, r) -> Generation:
+        s = r.stats
+        return Generation(
+            tokens=list(r.tokens),
+            text=self.detokenize(r.tokens),
+            steps=[Step(list(x.drafted), x.accepted, x.produced) for x in r.steps],
+            tau=r.tau,
+            stop_reason=r.stop_reason,
+            acceptance_by_position=list(r.acceptance_by_position),
+            stats=Stats(s.n_prompt, s.n_generated, s.t_prefill_ms, s.t_draft_ms, s.t_verify_ms,
+                        s.t_other_ms, s.t_total_ms, s.tokens_per_second),
+        )
+
+    def _run(self, fn, prompt, params, stream: bool):
+        tokens = self._prompt_tokens(prompt)
+        if not stream:
+            with self._lock:
+                return self._generation(fn(tokens, params, None))
+        return self._stream(fn, tokens, params)
+
+    def _stream(self, fn, tokens, params) -> Stream:
+        pieces: queue.Queue = queue.Queue()
+        done = object()
+        out = Stream(iter(()))
+
+        def worker():
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            try:
+                with self._lock:
+                    r = fn(tokens, params,
+                           lambda new: pieces.put(decoder.decode(b"".join(self._engine.piece(t) for t in new))))
+                out.result = self._generation(r)
+                pieces.put(decoder.decode(b"", final=True))
+                pieces.put(done)
+            except BaseException as e:  # surfaced in the consumer's thread
+                pieces.put(e)
+
+        def iterate() -> Iterator[str]:
+            thread = threading.Thread(target=worker, daemon=True)
+            thread.start()
+            while True:
+                item = pieces.get()
+                if item is done:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                if item:
+                    yield item
+            thread.join()
+
+        out._pieces = iterate()
+        return out

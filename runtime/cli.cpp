@@ -1,0 +1,214 @@
+// llama-dflash-cli: DFlash speculative decoding with a GGUF target and a GGUF DFlash draft.
+//
+//   llama-dflash-cli -m target.gguf -md draft.gguf -p "def fib(n):" -n 128
+//
+// The text streams to stdout as it is produced; statistics go to stderr afterwards (tokens, tau,
+// acceptance per block position, tok/s, time split). --json prints one JSON object instead.
+#include "engine.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace {
+
+struct cli_args {
+    dflash::engine_params   engine;
+    dflash::generate_params gen;
+    std::string prompt;
+    bool has_prompt = false;
+    bool no_draft   = false;
+    bool json       = false;
+};
+
+void print_usage(const char * argv0) {
+    std::printf(
+        "usage: %s -m TARGET.gguf -md DRAFT.gguf (-p PROMPT | -f FILE) [options]\n"
+        "\n"
+        "  -m,  --model FILE        target model (GGUF)\n"
+        "  -md, --model-draft FILE  DFlash draft model (GGUF)\n"
+        "  -p,  --prompt TEXT       prompt\n"
+        "  -f,  --file FILE         read the prompt from a file\n"
+        "  -n,  --n-predict N       tokens to generate (default: 128)\n"
+        "  -t,  --threads N         CPU threads (default: all)\n"
+        "  -c,  --ctx-size N        context size (default: 4096)\n"
+        "  -b,  --batch-size N      prompt chunk size (default: 512)\n"
+        "  -ngl, --n-gpu-layers N   target layers on the GPU (default: 0)\n"
+        "  --temp T                 temperature, 0 = greedy (default: 0)\n"
+        "  --top-p P                nucleus sampling (default: 1.0 = off)\n"
+        "  --top-k K                top-k sampling (default: 0 = off)\n"
+        "  -s, --seed N             sampling seed (default: 0)\n"
+        "  --block-size B           draft block size (default: the draft's)\n"
+        "  --draft-max N            verify at most N drafted tokens per step (default: block size - 1)\n"
+        "  --no-draft               plain autoregressive decoding of the target\n"
+        "  --ignore-eos             do not stop at end-of-generation tokens\n"
+        "  --json                   print one JSON object (tokens, text, steps, tau, stats)\n"
+        "  -v, --verbose            show llama.cpp's log\n"
+        "  --version                print the version and exit\n",
+        argv0);
+}
+
+[[noreturn]] void usage_error(const std::string & msg) {
+    std::fprintf(stderr, "llama-dflash-cli: error: %s (see --help)\n", msg.c_str());
+    std::exit(2);
+}
+
+long parse_int(const std::string & flag, const char * value) {
+    char * end = nullptr;
+    errno = 0;
+    const long v = std::strtol(value, &end, 10);
+    if (errno != 0 || end == value || *end != '\0') {
+        usage_error("invalid integer for " + flag + ": '" + value + "'");
+    }
+    return v;
+}
+
+float parse_float(const std::string & flag, const char * value) {
+    char * end = nullptr;
+    const float v = std::strtof(value, &end);
+    if (end == value || *end != '\0') {
+        usage_error("invalid number for " + flag + ": '" + value + "'");
+    }
+    return v;
+}
+
+cli_args parse_args(int argc, char ** argv) {
+    cli_args a;
+    for (int i = 1; i < argc; ++i) {
+        const std::string flag = argv[i];
+        auto value = [&]() -> const char * {
+            if (i + 1 >= argc) usage_error("missing value for " + flag);
+            return argv[++i];
+        };
+        if (flag == "-h" || flag == "--help") { print_usage(argv[0]); std::exit(0); }
+        else if (flag == "--version") { std::printf("llama-dflash-cli (llama.cpp %s)\n", DFLASH_LLAMA_CPP_COMMIT); std::exit(0); }
+        else if (flag == "-m"   || flag == "--model")        a.engine.target.path = value();
+        else if (flag == "-md"  || flag == "--model-draft")  a.engine.draft_path = value();
+        else if (flag == "-p"   || flag == "--prompt")       { a.prompt = value(); a.has_prompt = true; }
+        else if (flag == "-f"   || flag == "--file") {
+            const char * path = value();
+            std::ifstream in(path, std::ios::binary);
+            if (!in) usage_error(std::string("cannot read prompt file '") + path + "'");
+            std::stringstream ss; ss << in.rdbuf();
+            a.prompt = ss.str(); a.has_prompt = true;
+        }
+        else if (flag == "-n"   || flag == "--n-predict")    a.gen.max_new_tokens = (int32_t) parse_int(flag, value());
+        else if (flag == "-t"   || flag == "--threads")      a.engine.target.n_threads = (int32_t) parse_int(flag, value());
+        else if (flag == "-c"   || flag == "--ctx-size")     a.engine.target.n_ctx = (int32_t) parse_int(flag, value());
+        else if (flag == "-b"   || flag == "--batch-size")   a.engine.target.n_batch = (int32_t) parse_int(flag, value());
+        else if (flag == "-ngl" || flag == "--n-gpu-layers") a.engine.target.n_gpu_layers = (int32_t) parse_int(flag, value());
+        else if (flag == "--temp")       a.gen.sampling.temperature = parse_float(flag, value());
+        else if (flag == "--top-p")      a.gen.sampling.top_p = parse_float(flag, value());
+        else if (flag == "--top-k")      a.gen.sampling.top_k = (int32_t) parse_int(flag, value());
+        else if (flag == "-s" || flag == "--seed") a.gen.sampling.seed = (uint64_t) parse_int(flag, value());
+        else if (flag == "--block-size") a.gen.block_size = (int32_t) parse_int(flag, value());
+        else if (flag == "--draft-max")  a.gen.draft_max = (int32_t) parse_int(flag, value());
+        else if (flag == "--no-draft")   a.no_draft = true;
+        else if (flag == "--ignore-eos") a.gen.stop_at_eog = false;
+        else if (flag == "--json")       a.json = true;
+        else if (flag == "-v" || flag == "--verbose") a.engine.verbose = true;
+        else usage_error("unknown argument '" + flag + "'");
+    }
+    if (a.engine.target.path.empty()) usage_error("a target model is required (-m)");
+    if (a.engine.draft_path.empty() && !a.no_draft) usage_error("a draft model is required (-md), or pass --no-draft");
+    if (!a.has_prompt) usage_error("a prompt is required (-p or -f)");
+    if (a.gen.block_size == 1 || a.gen.block_size < 0) usage_error("--block-size must be at least 2");
+    if (a.gen.draft_max == 0 || a.gen.draft_max < -1) usage_error("--draft-max must be at least 1");
+    if (a.no_draft) a.engine.draft_path.clear();
+    return a;
+}
+
+std::string json_escape(const std::string & s) {
+    std::string out;
+    for (const unsigned char c : s) {
+        switch (c) {
+            case '"':  out += "\\\""; break;
+            case '\\': out += "\\\\"; break;
+            case '\n': out += "\\n";  break;
+            case '\r': out += "\\r";  break;
+            case '\t': out += "\\t";  break;
+            default:
+                if (c < 0x20) { char buf[8]; std::snprintf(buf, sizeof(buf), "\\u%04x", c); out += buf; }
+                else out += (char) c;
+        }
+    }
+    return out;
+}
+
+template <typename T>
+std::string json_list(const std::vector<T> & v) {
+    std::ostringstream ss;
+    ss << "[";
+    for (size_t i = 0; i < v.size(); ++i) ss << (i ? ", " : "") << v[i];
+    ss << "]";
+    return ss.str();
+}
+
+void print_json(const dflash::generate_result & r, const std::string & text) {
+    const auto & s = r.stats;
+    std::ostringstream ss;
+    ss << "{\"tokens\": " << json_list(r.tokens) << ", \"text\": \"" << json_escape(text) << "\", \"steps\": [";
+    for (size_t i = 0; i < r.steps.size(); ++i) {
+        ss << (i ? ", " : "") << "{\"drafted\": " << json_list(r.steps[i].drafted) << ", \"accepted\": " << r.steps[i].accepted
+           << ", \"produced\": " << r.steps[i].produced << "}";
+    }
+    ss << "], \"tau\": " << r.tau() << ", \"stop_reason\": \"" << r.stop_reason << "\", \"acceptance_by_position\": "
+       << json_list(r.acceptance_by_position()) << ", \"stats\": {\"n_prompt\": " << s.n_prompt << ", \"n_generated\": "
+       << s.n_generated << ", \"t_prefill_ms\": " << s.t_prefill_ms << ", \"t_draft_ms\": " << s.t_draft_ms
+       << ", \"t_verify_ms\": " << s.t_verify_ms << ", \"t_other_ms\": " << s.t_other_ms << ", \"t_total_ms\": "
+       << s.t_total_ms << ", \"tokens_per_second\": " << s.tokens_per_second() << "}}";
+    std::printf("%s\n", ss.str().c_str());
+}
+
+void print_stats(const dflash::generate_result & r, bool speculative) {
+    const auto & s = r.stats;
+    std::fprintf(stderr, "\n\n");
+    std::fprintf(stderr, "prompt tokens:    %d\n", s.n_prompt);
+    std::fprintf(stderr, "generated tokens: %d (stop: %s)\n", s.n_generated, r.stop_reason.c_str());
+    if (speculative) {
+        std::fprintf(stderr, "target verifies:  %zu\n", r.steps.size());
+        std::fprintf(stderr, "tau:              %.3f tokens per verify\n", r.tau());
+        std::fprintf(stderr, "acceptance by block position:");
+        for (const double a : r.acceptance_by_position()) std::fprintf(stderr, " %.2f", a);
+        std::fprintf(stderr, "\n");
+    }
+    std::fprintf(stderr, "speed:            %.2f tok/s (prefill excluded)\n", s.tokens_per_second());
+    std::fprintf(stderr, "time:             total %.1f ms = prefill %.1f + draft %.1f + verify %.1f + other %.1f\n",
+                 s.t_total_ms, s.t_prefill_ms, s.t_draft_ms, s.t_verify_ms, s.t_other_ms);
+}
+
+} // namespace
+
+int main(int argc, char ** argv) {
+    const cli_args args = parse_args(argc, argv);
+    try {
+        dflash::engine eng(args.engine);
+        const std::vector<int32_t> prompt = eng.target().tokenize(args.prompt, true);
+
+        dflash::token_callback stream;
+        if (!args.json) {
+            std::fputs(args.prompt.c_str(), stdout);
+            std::fflush(stdout);
+            stream = [&](const std::vector<int32_t> & tokens) {
+                for (const int32_t t : tokens) std::fputs(eng.target().piece(t).c_str(), stdout);
+                std::fflush(stdout);
+            };
+        }
+        const dflash::generate_result r = args.no_draft ? eng.autoregressive(prompt, args.gen, stream)
+                                                        : eng.generate(prompt, args.gen, stream);
+        if (args.json) {
+            print_json(r, eng.target().detokenize(r.tokens));
+        } else {
+            print_stats(r, !args.no_draft);
+        }
+    } catch (const std::exception & e) {
+        std::fprintf(stderr, "llama-dflash-cli: error: %s\n", e.what());
+        return 1;
+    }
+    return 0;
+}

@@ -1,0 +1,318 @@
+#include "draft_graph.h"
+
+#include "ggml-cpu.h"
+#include "llama-model.h"  // the target's tok_embd / output tensors, used in place
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+namespace dflash {
+
+namespace {
+constexpr int kMaxGraphNodes = 4096;
+}
+
+// One graph's metadata context, its inputs (set after allocation) and its named intermediates.
+struct draft_runner::graph_ctx {
+    ggml_context * ctx = nullptr;
+    ggml_cgraph *  gf  = nullptr;
+    struct input { ggml_tensor * t; const void * data; size_t nbytes; };
+    std::vector<input>         inputs;
+    std::vector<ggml_tensor *> named;   // read back when tracing
+    std::vector<std::vector<float>> owned;  // host data of inputs built here (masks)
+    bool tracing = false;
+
+    ~graph_ctx() { if (ctx) ggml_free(ctx); }
+
+    ggml_tensor * add_input(ggml_tensor * t, const void * data) {
+        ggml_set_input(t);
+        inputs.push_back({ t, data, ggml_nbytes(t) });
+        return t;
+    }
+
+    // names an intermediate "name" or "name-il"; when tracing, keeps it alive to be read back
+    ggml_tensor * name(ggml_tensor * t, const char * base, int il = -1) {
+        if (il >= 0) {
+            ggml_format_name(t, "%s-%d", base, il);
+        } else {
+            ggml_set_name(t, base);
+        }
+        if (tracing) {  // views are copied out so the allocator keeps what we read
+            ggml_tensor * keep = t->view_src ? ggml_cont(ctx, t) : t;
+            ggml_set_name(keep, ggml_get_name(t));
+            ggml_set_output(keep);
+            named.push_back(keep);
+        }
+        return t;
+    }
+};
+
+draft_runner::draft_runner(const draft_model & draft, const llama_model * target, int32_t n_ctx, int32_t n_threads)
+    : draft_(draft), n_ctx_(n_ctx) {
+    tok_embd_ = target->tok_embd;
+    output_   = target->output ? target->output : target->tok_embd;
+    if (tok_embd_ == nullptr || output_ == nullptr) {
+        throw std::invalid_argument("the target model has no token embedding or output head tensor to lend the draft");
+    }
+    n_vocab_ = (int32_t) output_->ne[1];
+
+    backend_cpu_ = ggml_backend_cpu_init();
+    if (backend_cpu_ == nullptr) {
+        throw std::runtime_error("cannot initialise the ggml CPU backend");
+    }
+    ggml_backend_cpu_set_n_threads(backend_cpu_, n_threads);
+    ggml_backend_t backends[] = { backend_cpu_ };
+    sched_ = ggml_backend_sched_new(backends, nullptr, 1, kMaxGraphNodes, false, false);
+
+    // the draft KV cache: projected context only, f32 so parity with the reference stays tight
+    const draft_hparams & hp = draft_.hparams;
+    ggml_init_params kv_params = { ggml_tensor_overhead() * (size_t) (2 * hp.n_layer + 1), nullptr, true };
+    kv_ctx_ = ggml_init(kv_params);
+    for (int32_t il = 0; il < hp.n_layer; ++il) {
+        cache_k_.push_back(ggml_new_tensor_3d(kv_ctx_, GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, n_ctx));
+        cache_v_.push_back(ggml_new_tensor_3d(kv_ctx_, GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, n_ctx));
+        ggml_format_name(cache_k_.back(), "draft_cache_k-%d", il);
+        ggml_format_name(cache_v_.back(), "draft_cache_v-%d", il);
+    }
+    kv_buf_ = ggml_backend_alloc_ctx_tensors(kv_ctx_, backend_cpu_);
+    if (kv_buf_ == nullptr) {
+        throw std::runtime_error("cannot allocate the draft KV cache");
+    }
+    ggml_backend_buffer_clear(kv_buf_, 0);
+
+    graph_meta_.resize(ggml_tensor_overhead() * kMaxGraphNodes + ggml_graph_overhead_custom(kMaxGraphNodes, false));
+}
+
+draft_runner::~draft_runner() {
+    if (sched_)       ggml_backend_sched_free(sched_);
+    if (kv_buf_)      ggml_backend_buffer_free(kv_buf_);
+    if (kv_ctx_)      ggml_free(kv_ctx_);
+    if (backend_cpu_) ggml_backend_free(backend_cpu_);
+}
+
+ggml_tensor * draft_runner::rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * gain) const {
+    return ggml_mul(ctx, ggml_rms_norm(ctx, x, draft_.hparams.rms_eps), gain);
+}
+
+ggml_tensor * draft_runner::rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const {
+    const draft_hparams & hp = draft_.hparams;
+    return ggml_rope_ext(ctx, x, pos, nullptr, hp.head_dim, GGML_ROPE_TYPE_NEOX, 0,
+                         hp.rope_freq_base, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
+}
+
+// Visibility as in the published model: block query i sits at position n_kv - n_block + i; key j
+// at position j. Causal: j <= i. Window w: i - j < w, and j - i < w when not causal.
+ggml_tensor * draft_runner::attention_mask(graph_ctx & g, int32_t n_kv, int32_t n_block, bool causal, int32_t window) {
+    std::vector<float> mask((size_t) n_kv * n_block, 0.0f);
+    for (int32_t i = 0; i < n_block; ++i) {
+        const int32_t qpos = n_kv - n_block + i;
+        for (int32_t j = 0; j < n_kv; ++j) {
+            bool visible = true;
+            if (causal) {
+                visible = visible && j <= qpos;
+            }
+            if (window > 0) {
+                visible = visible && qpos - j < window;
+                if (!causal) {
+                    visible = visible && j - qpos < window;
+                }
+            }
+            mask[(size_t) i * n_kv + j] = visible ? 0.0f : -INFINITY;
+        }
+    }
+    g.owned.push_back(std::move(mask));
+    ggml_tensor * t = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, n_kv, n_block);
+    return g.add_input(t, g.owned.back().data());
+}
+
+void draft_runner::compute(graph_ctx & g, draft_trace * trace) {
+    ggml_backend_sched_reset(sched_);
+    if (!ggml_backend_sched_alloc_graph(sched_, g.gf)) {
+        throw std::runtime_error("draft graph: allocation failed");
+    }
+    for (const auto & in : g.inputs) {
+        ggml_backend_tensor_set(in.t, in.data, 0, in.nbytes);
+    }
+    if (ggml_backend_sched_graph_compute(sched_, g.gf) != GGML_STATUS_SUCCESS) {
+        throw std::runtime_error("draft graph: compute failed");
+    }
+    if (trace != nullptr) {
+        for (ggml_tensor * t : g.named) {
+            traced_tensor & out = (*trace)[ggml_get_name(t)];
+            out.shape.assign(t->ne, t->ne + ggml_n_dims(t));
+            out.data.resize(ggml_nelements(t));
+            if (t->type != GGML_TYPE_F32 || !ggml_is_contiguous(t)) {
+                throw std::runtime_error(std::string("draft graph: cannot trace non-contiguous or non-f32 tensor ") + ggml_get_name(t));
+            }
+            ggml_backend_tensor_get(t, out.data.data(), 0, ggml_nbytes(t));
+        }
+    }
+}
+
+void draft_runner::inject(const float * features, int32_t n, int32_t pos0, draft_trace * trace) {
+    const draft_hparams & hp = draft_.hparams;
+    if (pos0 != n_cached_) {
+        throw std::invalid_argument("draft inject at position " + std::to_string(pos0) + " but the cache holds " +
+                                    std::to_string(n_cached_) + " positions");
+    }
+    if (n <= 0) {
+        return;
+    }
+    if (pos0 + n > n_ctx_) {
+        throw std::invalid_argument("draft cache full: " + std::to_string(pos0 + n) + " positions > n_ctx " + std::to_string(n_ctx_));
+    }
+
+    graph_ctx g;
+    g.tracing = trace != nullptr;
+    g.ctx = ggml_init({ graph_meta_.size(), graph_meta_.data(), true });
+    g.gf  = ggml_new_graph_custom(g.ctx, kMaxGraphNodes, false);
+
+    std::vector<int32_t> positions(n);
+    for (int32_t i = 0; i < n; ++i) positions[i] = pos0 + i;
+
+    ggml_tensor * feats = g.add_input(ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, (int64_t) hp.n_taps() * hp.n_embd, n), features);
+    ggml_tensor * pos   = g.add_input(ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n), positions.data());
+
+    ggml_tensor * c = g.name(ggml_mul_mat(g.ctx, draft_.fc, feats), "fc_out");
+    c = g.name(rms_norm(g.ctx, c, draft_.hidden_norm), "inp_g_embeddings");
+
+    for (int32_t il = 0; il < hp.n_layer; ++il) {
+        const draft_layer & l = draft_.layers[il];
+        ggml_tensor * k = ggml_reshape_3d(g.ctx, ggml_mul_mat(g.ctx, l.wk, c), hp.head_dim, hp.n_head_kv, n);
+        ggml_tensor * v = ggml_reshape_3d(g.ctx, ggml_mul_mat(g.ctx, l.wv, c), hp.head_dim, hp.n_head_kv, n);
+        k = g.name(rope(g.ctx, rms_norm(g.ctx, k, l.attn_k_norm), pos), "Kcur_injected", il);
+        v = g.name(v, "Vcur_injected", il);
+
+        ggml_tensor * k_dst = ggml_view_3d(g.ctx, cache_k_[il], hp.head_dim, hp.n_head_kv, n,
+                                           cache_k_[il]->nb[1], cache_k_[il]->nb[2], (size_t) pos0 * cache_k_[il]->nb[2]);
+        ggml_tensor * v_dst = ggml_view_3d(g.ctx, cache_v_[il], hp.head_dim, hp.n_head_kv, n,
+                                           cache_v_[il]->nb[1], cache_v_[il]->nb[2], (size_t) pos0 * cache_v_[il]->nb[2]);
+        ggml_build_forward_expand(g.gf, ggml_cpy(g.ctx, k, k_dst));
+        ggml_build_forward_expand(g.gf, ggml_cpy(g.ctx, v, v_dst));
+    }
+    for (ggml_tensor * t : g.named) {
+        ggml_build_forward_expand(g.gf, t);
+    }
+    compute(g, trace);
+    n_cached_ = pos0 + n;
+}
+
+void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_t start, std::vector<float> & logits,
+                                 draft_trace * trace) {
+    const draft_hparams & hp = draft_.hparams;
+    if (start != n_cached_) {
+        throw std::invalid_argument("draft block at position " + std::to_string(start) + " but the cache holds " +
+                                    std::to_string(n_cached_) + " positions");
+    }
+    if (n_block < 2) {
+        throw std::invalid_argument("draft block must hold at least 2 tokens, got " + std::to_string(n_block));
+    }
+    if (start + n_block > n_ctx_) {
+        throw std::invalid_argument("draft block ends at position " + std::to_string(start + n_block) +
+                                    ", past n_ctx " + std::to_string(n_ctx_));
+    }
+    const int32_t n_kv = start + n_block;
+
+    graph_ctx g;
+    g.tracing = trace != nullptr;
+    g.ctx = ggml_init({ graph_meta_.size(), graph_meta_.data(), true });
+    g.gf  = ggml_new_graph_custom(g.ctx, kMaxGraphNodes, false);
+
+    std::vector<int32_t> positions(n_block);
+    for (int32_t i = 0; i < n_block; ++i) positions[i] = start + i;
+    ggml_tensor * tok = g.add_input(ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_block), tokens);
+    ggml_tensor * pos = g.add_input(ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_block), positions.data());
+
+    // one mask per kind of layer: full layers see everything unless the draft is causal
+    ggml_tensor * mask_full = nullptr;
+    ggml_tensor * mask_swa  = nullptr;
+    auto layer_mask = [&](int32_t il) -> ggml_tensor * {
+        const bool swa    = hp.swa_layers[il];
+        const bool causal = hp.causal >= 0 ? hp.causal == 1 : swa;
+        if (swa) {
+            return mask_swa ? mask_swa : (mask_swa = attention_mask(g, n_kv, n_block, causal, hp.sliding_window));
+        }
+        if (!causal) {
+            return nullptr;
+        }
+        return mask_full ? mask_full : (mask_full = attention_mask(g, n_kv, n_block, true, 0));
+    };
+
+    ggml_tensor * x = ggml_get_rows(g.ctx, tok_embd_, tok);
+    if (hp.embedding_scale != 1.0f) {
+        x = ggml_scale(g.ctx, x, hp.embedding_scale);
+    }
+    x = g.name(x, "inp_noise_embd");
+
+    const float kq_scale = 1.0f / std::sqrt((float) hp.head_dim);
+    for (int32_t il = 0; il < hp.n_layer; ++il) {
+        const draft_layer & l = draft_.layers[il];
+        ggml_tensor * h = g.name(rms_norm(g.ctx, x, l.attn_norm), "noise_norm", il);
+
+        ggml_tensor * q = ggml_reshape_3d(g.ctx, ggml_mul_mat(g.ctx, l.wq, h), hp.head_dim, hp.n_head,    n_block);
+        ggml_tensor * k = ggml_reshape_3d(g.ctx, ggml_mul_mat(g.ctx, l.wk, h), hp.head_dim, hp.n_head_kv, n_block);
+        ggml_tensor * v = ggml_reshape_3d(g.ctx, ggml_mul_mat(g.ctx, l.wv, h), hp.head_dim, hp.n_head_kv, n_block);
+        q = g.name(rope(g.ctx, rms_norm(g.ctx, q, l.attn_q_norm), pos), "Qcur", il);
+        k = g.name(rope(g.ctx, rms_norm(g.ctx, k, l.attn_k_norm), pos), "Kcur", il);
+        v = g.name(v, "Vcur", il);
+
+        // keys/values: the cached context [0, start), then the block
+        ggml_tensor * k_all = k;
+        ggml_tensor * v_all = v;
+        if (start > 0) {
+            ggml_tensor * k_ctx = ggml_view_3d(g.ctx, cache_k_[il], hp.head_dim, hp.n_head_kv, start,
+                                               cache_k_[il]->nb[1], cache_k_[il]->nb[2], 0);
+            ggml_tensor * v_ctx = ggml_view_3d(g.ctx, cache_v_[il], hp.head_dim, hp.n_head_kv, start,
+                                               cache_v_[il]->nb[1], cache_v_[il]->nb[2], 0);
+            k_all = ggml_concat(g.ctx, k_ctx, k, 2);
+            v_all = ggml_concat(g.ctx, v_ctx, v, 2);
+        }
+
+        ggml_tensor * qp = ggml_permute(g.ctx, q, 0, 2, 1, 3);                       // [hd, B, n_head]
+        ggml_tensor * kp = ggml_permute(g.ctx, k_all, 0, 2, 1, 3);                   // [hd, n_kv, n_head_kv]
+        ggml_tensor * kq = ggml_mul_mat(g.ctx, kp, qp);                              // [n_kv, B, n_head]
+        kq = ggml_soft_max_ext(g.ctx, kq, layer_mask(il), kq_scale, 0.0f);
+        ggml_tensor * vp = ggml_cont(g.ctx, ggml_permute(g.ctx, v_all, 1, 2, 0, 3)); // [n_kv, hd, n_head_kv]
+        ggml_tensor * kqv = ggml_mul_mat(g.ctx, vp, kq);                             // [hd, B, n_head]
+        ggml_tensor * attn = ggml_cont_2d(g.ctx, ggml_permute(g.ctx, kqv, 0, 2, 1, 3), (int64_t) hp.head_dim * hp.n_head, n_block);
+        attn = ggml_mul_mat(g.ctx, l.wo, attn);
+
+        ggml_tensor * ffn_inp = g.name(ggml_add(g.ctx, attn, x), "ffn_inp", il);
+        ggml_tensor * f = g.name(rms_norm(g.ctx, ffn_inp, l.ffn_norm), "ffn_norm", il);
+        ggml_tensor * gate = ggml_silu(g.ctx, ggml_mul_mat(g.ctx, l.ffn_gate, f));
+        ggml_tensor * up   = ggml_mul_mat(g.ctx, l.ffn_up, f);
+        ggml_tensor * ffn_out = g.name(ggml_mul_mat(g.ctx, l.ffn_down, ggml_mul(g.ctx, gate, up)), "ffn_out", il);
+        x = g.name(ggml_add(g.ctx, ffn_out, ffn_inp), "l_out", il);
+    }
+
+    ggml_tensor * y = g.name(rms_norm(g.ctx, x, draft_.output_norm), "result_norm");
+    // block position 0 holds the known last token: only positions 1.. need logits
+    ggml_tensor * y_pred = ggml_view_2d(g.ctx, y, hp.n_embd, n_block - 1, y->nb[1], y->nb[1]);
+    ggml_tensor * out = ggml_mul_mat(g.ctx, output_, y_pred);
+    if (hp.logit_scale != 1.0f) {
+        out = ggml_scale(g.ctx, out, hp.logit_scale);
+    }
+    if (hp.logit_softcap > 0.0f) {
+        out = ggml_scale(g.ctx, ggml_tanh(g.ctx, ggml_scale(g.ctx, out, 1.0f / hp.logit_softcap)), hp.logit_softcap);
+    }
+    out = g.name(out, "result_output");
+    ggml_set_output(out);
+    ggml_build_forward_expand(g.gf, out);
+    for (ggml_tensor * t : g.named) {
+        ggml_build_forward_expand(g.gf, t);
+    }
+
+    compute(g, trace);
+    logits.resize((size_t) (n_block - 1) * n_vocab_);
+    ggml_backend_tensor_get(out, logits.data(), 0, logits.size() * sizeof(float));
+}
+
+void draft_runner::crop(int32_t n) {
+    if (n < 0 || n > n_cached_) {
+        throw std::invalid_argument("draft crop to " + std::to_string(n) + " but the cache holds " + std::to_string(n_cached_));
+    }
+    n_cached_ = n;
+}
+
+} // namespace dflash

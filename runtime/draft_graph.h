@@ -1,0 +1,84 @@
+// The DFlash 1 draft as our own ggml graphs, in two passes over one draft KV cache:
+//
+//   inject(features, pos0, n):  c = hidden_norm(fc(features)); per layer K = rope(k_norm(Wk c)),
+//                               V = Wv c, written into the cache at positions pos0..pos0+n-1
+//   forward_block(tokens, start): the block [last token, MASK, ...] at positions start.., its
+//                               queries attending to cache[0, start) and to the whole block,
+//                               final norm, logits for block positions 1..B-1 through the
+//                               target's output head
+//
+// The block's own K/V are never written to the cache (the published loop crops them away), so
+// cropping the cache after a rejection is only `crop(n)`. Token embeddings and the LM head are the
+// target's tensors, used in place. Every intermediate is named as in llama.cpp's `dflash` graph
+// (design.md's vocabulary) and can be read back with a trace.
+#pragma once
+
+#include "draft_model.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <map>
+#include <string>
+#include <vector>
+
+struct llama_model;
+
+namespace dflash {
+
+// A named intermediate read back from a graph: ggml shape (ne0 first) and f32 data.
+struct traced_tensor {
+    std::vector<int64_t> shape;
+    std::vector<float>   data;
+};
+using draft_trace = std::map<std::string, traced_tensor>;
+
+class draft_runner {
+public:
+    // n_ctx: the most positions the draft cache holds (the target context size).
+    draft_runner(const draft_model & draft, const llama_model * target, int32_t n_ctx, int32_t n_threads);
+    ~draft_runner();
+    draft_runner(const draft_runner &) = delete;
+    draft_runner & operator=(const draft_runner &) = delete;
+
+    // Projects target features of n tokens ([n, n_taps * n_embd], row-major) into the cache at
+    // positions pos0.. ; pos0 must equal n_cached() (the cache holds a contiguous prefix).
+    void inject(const float * features, int32_t n, int32_t pos0, draft_trace * trace = nullptr);
+
+    // Runs the block (n_block tokens at positions start..start+n_block-1; start == n_cached()) and
+    // writes logits for block positions 1..n_block-1 into `logits` ([n_block-1, n_vocab] row-major).
+    void forward_block(const int32_t * tokens, int32_t n_block, int32_t start, std::vector<float> & logits,
+                       draft_trace * trace = nullptr);
+
+    // Forgets cached context at positions >= n.
+    void crop(int32_t n);
+
+    int32_t n_cached() const { return n_cached_; }
+    int32_t n_vocab()  const { return n_vocab_; }
+    const draft_hparams & hparams() const { return draft_.hparams; }
+
+private:
+    struct graph_ctx;
+
+    ggml_tensor * rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * gain) const;
+    ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const;
+    ggml_tensor * attention_mask(graph_ctx & g, int32_t n_kv, int32_t n_block, bool causal, int32_t window);
+    void compute(graph_ctx & g, draft_trace * trace);
+
+    const draft_model & draft_;
+    ggml_tensor *       tok_embd_;  // the target's, in place
+    ggml_tensor *       output_;    // the target's, in place
+    int32_t             n_vocab_;
+    int32_t             n_ctx_;
+    int32_t             n_cached_ = 0;
+
+    ggml_backend_t        backend_cpu_ = nullptr;
+    ggml_backend_sched_t  sched_       = nullptr;
+    ggml_context *        kv_ctx_      = nullptr;
+    ggml_backend_buffer_t kv_buf_      = nullptr;
+    std::vector<ggml_tensor *> cache_k_;  // per layer [head_dim, n_head_kv, n_ctx]
+    std::vector<ggml_tensor *> cache_v_;
+    std::vector<uint8_t>  graph_meta_;     // scratch for graph metadata, reused
+};
+
+} // namespace dflash

@@ -1,0 +1,81 @@
+// A DFlash 1 draft read from GGUF: hyper-parameters, weights in a backend buffer, checks against
+// the target. The draft owns no token embedding or LM head: it borrows the target's (see
+// draft_graph.h), so a draft for another target is refused here with both values named.
+#pragma once
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+struct llama_model;
+
+namespace dflash {
+
+struct draft_hparams {
+    int32_t n_embd     = 0;
+    int32_t n_layer    = 0;
+    int32_t n_head     = 0;
+    int32_t n_head_kv  = 0;
+    int32_t head_dim   = 0;   // dflash.attention.key_length
+    int32_t n_ff       = 0;
+    int32_t n_vocab    = 0;   // tokens in the draft's tokenizer (must equal the target's)
+    int32_t block_size = 0;
+    int32_t n_ctx_train = 0;
+    float   rope_freq_base = 10000.0f;
+    float   rms_eps        = 1e-6f;
+    float   embedding_scale = 1.0f;     // dflash.embedding_scale (input_embedding_scale)
+    float   logit_scale     = 1.0f;     // dflash.logit_scale (output_multiplier)
+    float   logit_softcap   = 0.0f;     // dflash.final_logit_softcapping, 0 = off
+    int32_t causal          = -1;       // dflash.attention.causal: -1 absent (per layer: SWA layers causal), 0/1 all layers
+    int32_t sliding_window  = 0;        // 0 = none
+    std::vector<bool>    swa_layers;    // per layer: sliding-window (and causal) attention
+    std::vector<int32_t> target_layer_ids;  // HF ids: the GGUF stores ids + 1
+    int32_t mask_token_id = -1;
+
+    int32_t n_taps() const { return (int32_t) target_layer_ids.size(); }
+};
+
+struct draft_layer {
+    ggml_tensor * attn_norm   = nullptr;
+    ggml_tensor * wq          = nullptr;
+    ggml_tensor * wk          = nullptr;
+    ggml_tensor * wv          = nullptr;
+    ggml_tensor * wo          = nullptr;
+    ggml_tensor * attn_q_norm = nullptr;
+    ggml_tensor * attn_k_norm = nullptr;
+    ggml_tensor * ffn_norm    = nullptr;  // post-attention norm
+    ggml_tensor * ffn_gate    = nullptr;
+    ggml_tensor * ffn_up      = nullptr;
+    ggml_tensor * ffn_down    = nullptr;
+};
+
+struct draft_model {
+    std::string   path;
+    draft_hparams hparams;
+
+    ggml_tensor * fc          = nullptr;  // [n_taps * n_embd, n_embd]
+    ggml_tensor * hidden_norm = nullptr;  // enc.output_norm
+    ggml_tensor * output_norm = nullptr;
+    std::vector<draft_layer> layers;
+
+    ggml_context *        ctx = nullptr;  // tensor metadata
+    ggml_backend_buffer_t buf = nullptr;  // tensor data
+
+    draft_model() = default;
+    draft_model(const draft_model &) = delete;
+    draft_model & operator=(const draft_model &) = delete;
+    ~draft_model();
+};
+
+// Reads a DFlash GGUF (ours or llama.cpp's converter output) into a buffer of `buft`.
+// Throws std::invalid_argument naming the path and what is wrong.
+void load_draft(draft_model & draft, const std::string & path, ggml_backend_buffer_type_t buft);
+
+// Refuses a draft that does not fit the target: hidden size, vocabulary, target layers within the
+// target's depth, mask token within the vocabulary. Throws std::invalid_argument.
+void check_draft_fits_target(const draft_model & draft, const llama_model * target);
+
+} // namespace dflash

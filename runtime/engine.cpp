@@ -1,0 +1,91 @@
+#include "engine.h"
+
+#include "log.h"
+
+#include "ggml-backend.h"
+
+#include <stdexcept>
+
+namespace dflash {
+
+engine::engine(const engine_params & params) {
+    log_init(params.verbose);
+    target_ = std::make_unique<target_runner>(params.target);
+    if (params.draft_path.empty()) {
+        return;
+    }
+    draft_model_ = std::make_unique<draft_model>();
+    load_draft(*draft_model_, params.draft_path, ggml_backend_cpu_buffer_type());
+    check_draft_fits_target(*draft_model_, target_->model());
+    if (draft_model_->hparams.block_size > target_->n_ctx()) {
+        throw std::invalid_argument("the context (" + std::to_string(target_->n_ctx()) + " tokens) is smaller than one draft block (" +
+                                    std::to_string(draft_model_->hparams.block_size) + " tokens): raise n_ctx / -c");
+    }
+    const int32_t n_threads = params.target.n_threads > 0 ? params.target.n_threads
+                                                          : (int32_t) llama_n_threads(target_->context());
+    draft_runner_ = std::make_unique<draft_runner>(*draft_model_, target_->model(), target_->n_ctx(), n_threads);
+}
+
+draft_runner & engine::draft() {
+    if (!draft_runner_) {
+        throw std::logic_error("no draft model was loaded");
+    }
+    return *draft_runner_;
+}
+
+const draft_hparams & engine::hparams() const {
+    if (!draft_model_) {
+        throw std::logic_error("no draft model was loaded");
+    }
+    return draft_model_->hparams;
+}
+
+generate_result engine::generate(const std::vector<int32_t> & prompt, const generate_params & params,
+                                 const token_callback & on_tokens) {
+    return generate_speculative(*target_, draft(), prompt, params, on_tokens);
+}
+
+generate_result engine::autoregressive(const std::vector<int32_t> & prompt, const generate_params & params,
+                                       const token_callback & on_tokens) {
+    return generate_autoregressive(*target_, prompt, params, on_tokens);
+}
+
+std::vector<float> engine::capture(const std::vector<int32_t> & tokens, const std::vector<int32_t> & layer_ids) {
+    if (tokens.empty()) {
+        throw std::invalid_argument("capture of an empty token list");
+    }
+    target_->rollback(0);
+    target_->set_capture(layer_ids);
+    target_->decode(tokens.data(), (int32_t) tokens.size(), 0, false);
+    std::vector<float> out = target_->features();
+    target_->rollback(0);
+    return out;
+}
+
+draft_trace engine::trace_draft(const std::vector<float> & features, int32_t n_ctx_tokens, const std::vector<int32_t> & block) {
+    draft_runner & d = draft();
+    const size_t row = (size_t) d.hparams().n_taps() * d.hparams().n_embd;
+    if (n_ctx_tokens < 0 || features.size() != (size_t) n_ctx_tokens * row) {
+        throw std::invalid_argument("features must be [" + std::to_string(n_ctx_tokens) + ", " + std::to_string(row) +
+                                    "], got " + std::to_string(features.size()) + " values");
+    }
+    for (const int32_t t : block) {
+        if (t < 0 || t >= d.n_vocab()) {
+            throw std::invalid_argument("block token " + std::to_string(t) + " is outside the vocabulary");
+        }
+    }
+    draft_trace trace;
+    std::vector<float> logits;
+    d.crop(0);
+    try {
+        d.inject(features.data(), n_ctx_tokens, 0, &trace);
+        d.forward_block(block.data(), (int32_t) block.size(), n_ctx_tokens, logits, &trace);
+    } catch (...) {
+        d.crop(0);
+        throw;
+    }
+    d.crop(0);
+    return trace;
+}
+
+} // namespace dflash

@@ -1,0 +1,49 @@
+// A target and (optionally) a DFlash draft loaded together and checked against each other: what the
+// CLI and the Python API drive. Without a draft it decodes autoregressively only.
+#pragma once
+
+#include "draft_graph.h"
+#include "draft_model.h"
+#include "speculative.h"
+#include "target.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dflash {
+
+struct engine_params {
+    target_params target;
+    std::string   draft_path;  // "" = no draft
+    bool          verbose = false;
+};
+
+class engine {
+public:
+    explicit engine(const engine_params & params);
+
+    bool has_draft() const { return draft_runner_ != nullptr; }
+    target_runner &       target()       { return *target_; }
+    draft_runner &        draft();
+    const dflash::draft_hparams & hparams() const;
+
+    generate_result generate(const std::vector<int32_t> & prompt, const generate_params & params,
+                             const token_callback & on_tokens = {});
+    generate_result autoregressive(const std::vector<int32_t> & prompt, const generate_params & params,
+                                   const token_callback & on_tokens = {});
+
+    // Target features of `tokens` at the draft's target layers (or `layer_ids`): [n, n_taps * n_embd].
+    std::vector<float> capture(const std::vector<int32_t> & tokens, const std::vector<int32_t> & layer_ids);
+
+    // Every named draft intermediate for given context features ([n_ctx_tokens, n_taps * n_embd]) at
+    // positions 0.., and a block at the following positions. The draft cache is left empty.
+    draft_trace trace_draft(const std::vector<float> & features, int32_t n_ctx_tokens, const std::vector<int32_t> & block);
+
+private:
+    std::unique_ptr<target_runner> target_;
+    std::unique_ptr<draft_model>   draft_model_;
+    std::unique_ptr<draft_runner>  draft_runner_;
+};
+
+} // namespace dflash

@@ -1,0 +1,248 @@
+#include "speculative.h"
+
+#include <algorithm>
+#include <chrono>
+#include <stdexcept>
+
+namespace dflash {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+double ms_since(clock_type::time_point t0) {
+    return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
+}
+
+struct stop_rule {
+    const target_runner &        target;
+    const generate_params &      params;
+    bool operator()(int32_t token) const {
+        return (params.stop_at_eog && target.is_eog(token)) ||
+               std::find(params.stop_tokens.begin(), params.stop_tokens.end(), token) != params.stop_tokens.end();
+    }
+};
+
+// Checks shared by both loops; returns the total sequence length allowed (prompt + generated).
+int32_t check_request(const target_runner & target, const std::vector<int32_t> & prompt, const generate_params & params) {
+    check_sampling_params(params.sampling);
+    if (prompt.empty()) {
+        throw std::invalid_argument("the prompt is empty");
+    }
+    if (params.max_new_tokens < 1) {
+        throw std::invalid_argument("max_new_tokens must be at least 1, got " + std::to_string(params.max_new_tokens));
+    }
+    if ((int32_t) prompt.size() > target.n_ctx()) {
+        throw std::invalid_argument("the prompt has " + std::to_string(prompt.size()) + " tokens but the context holds " +
+                                    std::to_string(target.n_ctx()) + " (raise n_ctx / -c)");
+    }
+    for (const int32_t t : prompt) {
+        if (t < 0 || t >= target.n_vocab()) {
+            throw std::invalid_argument("prompt token " + std::to_string(t) + " is outside the vocabulary of " +
+                                        std::to_string(target.n_vocab()) + " tokens");
+        }
+    }
+    // every generated token but the last is decoded by the target, so the whole sequence fits in n_ctx
+    return std::min<int32_t>((int32_t) prompt.size() + params.max_new_tokens, target.n_ctx());
+}
+
+int32_t choose(const float * logits, int32_t n_vocab, const sampling_params & sp, sampler & rng) {
+    if (sp.greedy()) {
+        return argmax(logits, n_vocab);
+    }
+    std::vector<float> probs;
+    probs_from_logits(logits, n_vocab, sp, probs);
+    return rng.draw(probs);
+}
+
+std::string stop_reason_for(int32_t length, int32_t max_length, bool stopped, const target_runner & target,
+                            const std::vector<int32_t> & prompt, const generate_params & params) {
+    if (stopped) return "stop_token";
+    if (length >= max_length && max_length < (int32_t) prompt.size() + params.max_new_tokens) return "context_full";
+    (void) target;
+    return "max_tokens";
+}
+
+} // namespace
+
+double generate_result::tau() const {
+    if (steps.empty()) return 0.0;
+    double produced = 0.0;
+    for (const auto & s : steps) produced += s.produced;
+    return produced / (double) steps.size();
+}
+
+std::vector<double> generate_result::acceptance_by_position() const {
+    std::vector<double> drafted, accepted;
+    for (const auto & s : steps) {
+        if (drafted.size() < s.drafted.size()) {
+            drafted.resize(s.drafted.size(), 0.0);
+            accepted.resize(s.drafted.size(), 0.0);
+        }
+        for (size_t i = 0; i < s.drafted.size(); ++i) {
+            drafted[i] += 1.0;
+            accepted[i] += (int32_t) i < s.accepted ? 1.0 : 0.0;
+        }
+    }
+    for (size_t i = 0; i < drafted.size(); ++i) accepted[i] /= drafted[i];
+    return accepted;
+}
+
+generate_result generate_speculative(target_runner & target, draft_runner & draft, const std::vector<int32_t> & prompt,
+                                     const generate_params & params, const token_callback & on_tokens) {
+    const auto t_start = clock_type::now();
+    const int32_t max_length = check_request(target, prompt, params);
+    const draft_hparams & hp = draft.hparams();
+    const int32_t block_size = params.block_size > 0 ? params.block_size : hp.block_size;
+    if (block_size < 2) {
+        throw std::invalid_argument("block size must be at least 2, got " + std::to_string(block_size));
+    }
+    if (block_size > target.n_ctx()) {
+        throw std::invalid_argument("the context (" + std::to_string(target.n_ctx()) + " tokens) is smaller than one block (" +
+                                    std::to_string(block_size) + " tokens)");
+    }
+    const int32_t draft_max = params.draft_max < 0 ? block_size - 1 : std::min(params.draft_max, block_size - 1);
+    const sampling_params & sp = params.sampling;
+    const stop_rule is_stop{target, params};
+    const int32_t n_vocab = target.n_vocab();
+    sampler rng(sp.seed);
+
+    generate_result res;
+    res.stats.n_prompt = (int32_t) prompt.size();
+    target.rollback(0);
+    draft.crop(0);
+    target.set_capture(hp.target_layer_ids);
+
+    // prefill: the prompt through the target; its features seed the draft cache
+    auto t0 = clock_type::now();
+    target.decode(prompt.data(), (int32_t) prompt.size(), 0, /*all_logits=*/false);
+    int32_t last = choose(target.logits(0), n_vocab, sp, rng);
+    res.stats.t_prefill_ms = ms_since(t0);
+    t0 = clock_type::now();
+    draft.inject(target.features().data(), (int32_t) prompt.size(), 0);
+    res.stats.t_draft_ms += ms_since(t0);
+
+    res.tokens.push_back(last);
+    if (on_tokens) on_tokens({ last });
+    bool stopped = is_stop(last);
+    int32_t start = (int32_t) prompt.size();  // position of `last`, not yet in the target's cache
+
+    std::vector<float> draft_logits;
+    std::vector<std::vector<float>> q, p;
+    while (start + 1 < max_length && !stopped) {
+        // draft: the block [last, MASK, ...] in one forward pass (shorter near max_length, as published)
+        t0 = clock_type::now();
+        const int32_t verify_size = std::min(block_size, max_length - start);
+        const int32_t n_draft     = std::min(verify_size - 1, draft_max);
+        std::vector<int32_t> verify = { last };
+        if (verify_size > 1) {
+            std::vector<int32_t> block(verify_size, hp.mask_token_id);
+            block[0] = last;
+            draft.forward_block(block.data(), verify_size, start, draft_logits);
+            q.resize(n_draft);
+            for (int32_t i = 0; i < n_draft; ++i) {
+                const float * row = draft_logits.data() + (size_t) i * n_vocab;
+                if (sp.greedy()) {
+                    verify.push_back(argmax(row, n_vocab));
+                } else {
+                    probs_from_logits(row, n_vocab, sp, q[i]);
+                    verify.push_back(rng.draw(q[i]));
+                }
+            }
+        }
+        res.stats.t_draft_ms += ms_since(t0);
+
+        // verify: one batched target decode of [last, drafted...], logits and features for all
+        t0 = clock_type::now();
+        target.decode(verify.data(), (int32_t) verify.size(), start, /*all_logits=*/true);
+        res.stats.t_verify_ms += ms_since(t0);
+
+        // accept: the longest prefix the target agrees with, then its own next token
+        std::vector<int32_t> drafted(verify.begin() + 1, verify.end());
+        int32_t accepted = 0, next = -1;
+        if (sp.greedy()) {
+            while (accepted < n_draft && drafted[accepted] == argmax(target.logits(accepted), n_vocab)) {
+                ++accepted;
+            }
+            next = argmax(target.logits(accepted), n_vocab);
+        } else {
+            p.resize(n_draft + 1);
+            for (int32_t i = 0; i <= n_draft; ++i) {
+                probs_from_logits(target.logits(i), n_vocab, sp, p[i]);
+            }
+            accepted = rng.accept(drafted, q, p, next);
+        }
+
+        std::vector<int32_t> produced(drafted.begin(), drafted.begin() + accepted);
+        produced.push_back(next);
+        produced.resize(std::min<size_t>(produced.size(), (size_t) (max_length - start - 1)));
+        for (size_t i = 0; i < produced.size(); ++i) {
+            if (is_stop(produced[i])) {
+                produced.resize(i + 1);
+                stopped = true;
+                break;
+            }
+        }
+        const int32_t n_produced = (int32_t) produced.size();
+        res.steps.push_back({ drafted, accepted, n_produced });
+        res.tokens.insert(res.tokens.end(), produced.begin(), produced.end());
+        if (on_tokens) on_tokens(produced);
+
+        // roll back: the target keeps the verified tokens it accepted, the draft caches their features
+        target.rollback(start + n_produced);
+        t0 = clock_type::now();
+        draft.inject(target.features().data(), n_produced, start);
+        res.stats.t_draft_ms += ms_since(t0);
+        start += n_produced;
+        last = produced.back();
+    }
+
+    res.stats.n_generated = (int32_t) res.tokens.size();
+    res.stop_reason = stop_reason_for(start + 1, max_length, stopped, target, prompt, params);
+    res.stats.t_total_ms = ms_since(t_start);
+    res.stats.t_other_ms = res.stats.t_total_ms - res.stats.t_prefill_ms - res.stats.t_draft_ms - res.stats.t_verify_ms;
+    return res;
+}
+
+generate_result generate_autoregressive(target_runner & target, const std::vector<int32_t> & prompt,
+                                        const generate_params & params, const token_callback & on_tokens) {
+    const auto t_start = clock_type::now();
+    const int32_t max_length = check_request(target, prompt, params);
+    const sampling_params & sp = params.sampling;
+    const stop_rule is_stop{target, params};
+    const int32_t n_vocab = target.n_vocab();
+    sampler rng(sp.seed);
+
+    generate_result res;
+    res.stats.n_prompt = (int32_t) prompt.size();
+    target.rollback(0);
+    target.set_capture({});
+
+    auto t0 = clock_type::now();
+    target.decode(prompt.data(), (int32_t) prompt.size(), 0, false);
+    int32_t last = choose(target.logits(0), n_vocab, sp, rng);
+    res.stats.t_prefill_ms = ms_since(t0);
+    res.tokens.push_back(last);
+    if (on_tokens) on_tokens({ last });
+    bool stopped = is_stop(last);
+    int32_t pos = (int32_t) prompt.size();
+
+    while (pos + 1 < max_length && !stopped) {
+        t0 = clock_type::now();
+        target.decode(&last, 1, pos, false);
+        res.stats.t_verify_ms += ms_since(t0);
+        last = choose(target.logits(0), n_vocab, sp, rng);
+        res.tokens.push_back(last);
+        if (on_tokens) on_tokens({ last });
+        stopped = is_stop(last);
+        ++pos;
+    }
+
+    res.stats.n_generated = (int32_t) res.tokens.size();
+    res.stop_reason = stop_reason_for(pos + 1, max_length, stopped, target, prompt, params);
+    res.stats.t_total_ms = ms_since(t_start);
+    res.stats.t_other_ms = res.stats.t_total_ms - res.stats.t_prefill_ms - res.stats.t_verify_ms;
+    return res;
+}
+
+} // namespace dflash

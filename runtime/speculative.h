@@ -1,0 +1,68 @@
+// The DFlash speculative loop (draft a block, verify it in one target decode, keep the longest
+// accepted prefix plus one token, roll back) and plain autoregressive decoding, side by side.
+#pragma once
+
+#include "draft_graph.h"
+#include "sampling.h"
+#include "target.h"
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace dflash {
+
+struct generate_params {
+    int32_t max_new_tokens = 128;
+    sampling_params sampling;
+    int32_t block_size = 0;    // 0: the draft's trained block size
+    int32_t draft_max  = -1;   // verify at most this many drafted tokens; -1: block_size - 1
+    std::vector<int32_t> stop_tokens;  // in addition to the vocabulary's end-of-generation tokens
+    bool    stop_at_eog = true;
+};
+
+struct step_record {
+    std::vector<int32_t> drafted;   // tokens the target verified (after --draft-max)
+    int32_t accepted = 0;           // drafted tokens the target agreed with
+    int32_t produced = 0;           // tokens this step added to the output (accepted + 1, or fewer at a stop)
+};
+
+struct generate_stats {
+    int32_t n_prompt    = 0;
+    int32_t n_generated = 0;
+    double  t_prefill_ms = 0.0;
+    double  t_draft_ms   = 0.0;  // draft graph (inject + block) and choosing drafted tokens
+    double  t_verify_ms  = 0.0;  // target decode of the blocks (AR: of each token)
+    double  t_other_ms   = 0.0;  // everything else: acceptance, sampling, bookkeeping
+    double  t_total_ms   = 0.0;  // whole call, prefill included
+
+    double tokens_per_second() const {  // generation speed, prefill excluded
+        const double t = t_total_ms - t_prefill_ms;
+        return t > 0.0 ? 1000.0 * n_generated / t : 0.0;
+    }
+};
+
+struct generate_result {
+    std::vector<int32_t>     tokens;       // generated tokens, prompt excluded
+    std::vector<step_record> steps;        // one per target verify (empty for autoregressive)
+    std::string              stop_reason;  // "max_tokens", "stop_token" or "context_full"
+    generate_stats           stats;
+
+    // mean tokens produced per target verify
+    double tau() const;
+    // per block position i: accepted / drafted over all steps that drafted position i
+    std::vector<double> acceptance_by_position() const;
+};
+
+// Called with the tokens each step adds, as soon as they are final.
+using token_callback = std::function<void(const std::vector<int32_t> & tokens)>;
+
+// The target's and the draft's state is reset at the start: every call is a fresh sequence.
+generate_result generate_speculative(target_runner & target, draft_runner & draft, const std::vector<int32_t> & prompt,
+                                     const generate_params & params, const token_callback & on_tokens = {});
+
+generate_result generate_autoregressive(target_runner & target, const std::vector<int32_t> & prompt,
+                                        const generate_params & params, const token_callback & on_tokens = {});
+
+} // namespace dflash

@@ -1,0 +1,225 @@
+#include "target.h"
+
+#include "log.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <stdexcept>
+#include <thread>
+
+namespace dflash {
+
+target_runner::target_runner(const target_params & params) {
+    std::error_code ec;
+    if (!std::filesystem::exists(params.path, ec)) {
+        throw std::invalid_argument(params.path + ": no such file");
+    }
+    if (params.n_batch < 1) {
+        throw std::invalid_argument("n_batch must be at least 1, got " + std::to_string(params.n_batch));
+    }
+    if (params.n_ctx < 1) {
+        throw std::invalid_argument("n_ctx must be at least 1, got " + std::to_string(params.n_ctx));
+    }
+    clear_last_error();
+
+    llama_model_params mparams = llama_model_default_params();
+    mparams.n_gpu_layers = params.n_gpu_layers;
+    model_ = llama_model_load_from_file(params.path.c_str(), mparams);
+    if (model_ == nullptr) {
+        const std::string why = last_error();
+        throw std::invalid_argument(params.path + ": llama.cpp could not load the target model" +
+                                    (why.empty() ? std::string() : " (" + why + ")"));
+    }
+    vocab_   = llama_model_get_vocab(model_);
+    n_embd_  = llama_model_n_embd(model_);
+    n_vocab_ = llama_vocab_n_tokens(vocab_);
+    n_layer_ = llama_model_n_layer(model_);
+
+    const int32_t n_threads = params.n_threads > 0 ? params.n_threads
+                                                   : (int32_t) std::max(1u, std::thread::hardware_concurrency());
+    llama_context_params cparams = llama_context_default_params();
+    cparams.n_ctx             = (uint32_t) params.n_ctx;
+    cparams.n_batch           = (uint32_t) params.n_batch;
+    cparams.n_ubatch          = (uint32_t) params.n_batch;  // one graph per chunk: capture sees whole chunks
+    cparams.n_seq_max         = 1;
+    cparams.n_threads         = n_threads;
+    cparams.n_threads_batch   = n_threads;
+    cparams.no_perf           = true;
+    cparams.cb_eval           = &target_runner::on_eval;
+    cparams.cb_eval_user_data = this;
+    ctx_ = llama_init_from_model(model_, cparams);
+    if (ctx_ == nullptr) {
+        const std::string why = last_error();
+        llama_model_free(model_);
+        throw std::runtime_error(params.path + ": llama.cpp could not create a context" +
+                                 (why.empty() ? std::string() : " (" + why + ")"));
+    }
+    n_ctx_   = (int32_t) llama_n_ctx(ctx_);
+    n_batch_ = (int32_t) llama_n_batch(ctx_);
+}
+
+target_runner::~target_runner() {
+    if (ctx_)   llama_free(ctx_);
+    if (model_) llama_model_free(model_);
+}
+
+void target_runner::set_capture(const std::vector<int32_t> & layer_ids) {
+    tap_names_.clear();
+    needs_all_rows_ = false;
+    for (const int32_t id : layer_ids) {
+        if (id < 0 || id >= n_layer_) {
+            throw std::invalid_argument("capture layer " + std::to_string(id) + " is outside the target's " +
+                                        std::to_string(n_layer_) + " layers");
+        }
+        // the last layer's output, as Hugging Face reports it, is after the final norm
+        if (id == n_layer_ - 1) {
+            tap_names_.push_back("result_norm");
+            needs_all_rows_ = true;
+        } else {
+            tap_names_.push_back("l_out-" + std::to_string(id));
+        }
+    }
+    tap_rows_.assign(tap_names_.size(), {});
+}
+
+int32_t target_runner::tap_of(const char * name) const {
+    for (size_t k = 0; k < tap_names_.size(); ++k) {
+        if (tap_names_[k] == name) {
+            return (int32_t) k;
+        }
+    }
+    return -1;
+}
+
+bool target_runner::on_eval(ggml_tensor * t, bool ask, void * user_data) {
+    auto * self = static_cast<target_runner *>(user_data);
+    if (self->tap_names_.empty()) {
+        return ask ? false : true;
+    }
+    const int32_t k = self->tap_of(ggml_get_name(t));
+    if (ask) {
+        return k >= 0;
+    }
+    if (k >= 0) {
+        if (t->type != GGML_TYPE_F32 || t->ne[0] != self->n_embd_ || !ggml_is_contiguous(t)) {
+            return false;  // not the tensor we expect: abort the compute rather than read garbage
+        }
+        auto & rows = self->tap_rows_[k];
+        const size_t old = rows.size();
+        rows.resize(old + (size_t) ggml_nelements(t));
+        ggml_backend_tensor_get(t, rows.data() + old, 0, ggml_nbytes(t));
+    }
+    return true;
+}
+
+void target_runner::decode(const int32_t * tokens, int32_t n, int32_t pos0, bool all_logits) {
+    if (n <= 0) {
+        throw std::invalid_argument("decode of an empty token list");
+    }
+    if (pos0 + n > n_ctx_) {
+        throw std::invalid_argument("the sequence needs " + std::to_string(pos0 + n) + " positions but the context holds " +
+                                    std::to_string(n_ctx_) + " (raise n_ctx / -c)");
+    }
+    for (auto & rows : tap_rows_) {
+        rows.clear();
+    }
+    logit_rows_.clear();
+    logits_.clear();
+
+    const bool keep_all = all_logits || needs_all_rows_;
+    llama_batch batch = llama_batch_init(n_batch_, 0, 1);
+    for (int32_t off = 0; off < n; off += n_batch_) {
+        const int32_t n_chunk = std::min(n_batch_, n - off);
+        batch.n_tokens = n_chunk;
+        for (int32_t i = 0; i < n_chunk; ++i) {
+            batch.token[i]     = tokens[off + i];
+            batch.pos[i]       = pos0 + off + i;
+            batch.n_seq_id[i]  = 1;
+            batch.seq_id[i][0] = 0;
+            batch.logits[i]    = keep_all || off + i == n - 1;
+        }
+        clear_last_error();
+        const int32_t rc = llama_decode(ctx_, batch);
+        if (rc != 0) {
+            llama_batch_free(batch);
+            const std::string why = last_error();
+            throw std::runtime_error("llama_decode failed with code " + std::to_string(rc) +
+                                     (why.empty() ? std::string() : " (" + why + ")"));
+        }
+        // keep only the rows the caller asked for (a result_norm tap forces logits on every row)
+        for (int32_t i = 0; i < n_chunk; ++i) {
+            if (all_logits || off + i == n - 1) {
+                const float * row = llama_get_logits_ith(ctx_, i);  // i: index in the batch
+                logits_.insert(logits_.end(), row, row + n_vocab_);
+                logit_rows_.push_back(off + i);
+            }
+        }
+    }
+    llama_batch_free(batch);
+
+    const size_t n_taps = tap_names_.size();
+    features_.assign((size_t) n * n_taps * n_embd_, 0.0f);
+    for (size_t k = 0; k < n_taps; ++k) {
+        if (tap_rows_[k].size() != (size_t) n * n_embd_) {
+            throw std::runtime_error("capture of '" + tap_names_[k] + "' got " + std::to_string(tap_rows_[k].size() / n_embd_) +
+                                     " rows for " + std::to_string(n) + " tokens: this architecture's graph does not "
+                                     "name its layer outputs as the capture expects");
+        }
+        for (int32_t i = 0; i < n; ++i) {
+            std::memcpy(features_.data() + ((size_t) i * n_taps + k) * n_embd_,
+                        tap_rows_[k].data() + (size_t) i * n_embd_, (size_t) n_embd_ * sizeof(float));
+        }
+    }
+}
+
+const float * target_runner::logits(int32_t i) const {
+    if (i < 0 || (size_t) i >= logit_rows_.size()) {
+        throw std::out_of_range("logits row " + std::to_string(i) + " was not kept by the last decode");
+    }
+    return logits_.data() + (size_t) i * n_vocab_;
+}
+
+void target_runner::rollback(int32_t pos) {
+    llama_memory_seq_rm(llama_get_memory(ctx_), 0, pos, -1);
+}
+
+std::vector<int32_t> target_runner::tokenize(const std::string & text, bool add_special) const {
+    int32_t n = -llama_tokenize(vocab_, text.data(), (int32_t) text.size(), nullptr, 0, add_special, true);
+    std::vector<int32_t> out(std::max(n, 0));
+    if (n > 0) {
+        llama_tokenize(vocab_, text.data(), (int32_t) text.size(), out.data(), n, add_special, true);
+    }
+    return out;
+}
+
+std::string target_runner::piece(int32_t token) const {
+    char buf[256];
+    int32_t n = llama_token_to_piece(vocab_, token, buf, sizeof(buf), 0, false);
+    if (n < 0) {
+        std::string big((size_t) -n, '\0');
+        llama_token_to_piece(vocab_, token, big.data(), -n, 0, false);
+        return big;
+    }
+    return std::string(buf, (size_t) n);
+}
+
+std::string target_runner::detokenize(const std::vector<int32_t> & tokens) const {
+    std::string out(tokens.size() * 8 + 16, '\0');
+    int32_t n = llama_detokenize(vocab_, tokens.data(), (int32_t) tokens.size(), out.data(), (int32_t) out.size(), false, false);
+    if (n < 0) {
+        out.resize((size_t) -n);
+        n = llama_detokenize(vocab_, tokens.data(), (int32_t) tokens.size(), out.data(), (int32_t) out.size(), false, false);
+    }
+    out.resize((size_t) std::max(n, 0));
+    return out;
+}
+
+bool target_runner::is_eog(int32_t token) const {
+    return llama_vocab_is_eog(vocab_, token);
+}
+
+} // namespace dflash

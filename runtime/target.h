@@ -1,0 +1,79 @@
+// The target: a GGUF model run by llama.cpp, one sequence, with the draft's features captured as
+// it decodes. Capture reads, through the context's eval callback, the output of each tapped layer
+// (`l_out-L`, which is the input of layer L+1) and, for a tap on the last layer, `result_norm`:
+// the same tensors Hugging Face returns as hidden_states[L+1]. It works for every architecture
+// whose llama.cpp graph names its layer outputs `l_out-L`, and needs no change to llama.cpp.
+#pragma once
+
+#include "llama.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dflash {
+
+struct target_params {
+    std::string path;
+    int32_t n_ctx        = 4096;
+    int32_t n_batch      = 512;
+    int32_t n_threads    = 0;   // 0: all hardware threads
+    int32_t n_gpu_layers = 0;
+};
+
+class target_runner {
+public:
+    explicit target_runner(const target_params & params);
+    ~target_runner();
+    target_runner(const target_runner &) = delete;
+    target_runner & operator=(const target_runner &) = delete;
+
+    // Which layers to capture (Hugging Face ids: 0 = first layer's output); empty = none.
+    void set_capture(const std::vector<int32_t> & layer_ids);
+
+    // Decodes tokens at positions pos0..pos0+n-1 in chunks of n_batch. Logits are kept for every
+    // token when all_logits, else for the last one only. Captured features of all n tokens are in
+    // features() afterwards. Throws std::runtime_error if llama_decode fails.
+    void decode(const int32_t * tokens, int32_t n, int32_t pos0, bool all_logits);
+
+    // Logits of token i of the last decode (i counts tokens with logits, in order).
+    const float * logits(int32_t i) const;
+
+    // [n, n_taps * n_embd] row-major: features of the last decode's tokens, taps concatenated.
+    const std::vector<float> & features() const { return features_; }
+
+    // Drops the KV cache from position pos on.
+    void rollback(int32_t pos);
+
+    std::vector<int32_t> tokenize(const std::string & text, bool add_special) const;
+    std::string          piece(int32_t token) const;
+    std::string          detokenize(const std::vector<int32_t> & tokens) const;
+    bool                 is_eog(int32_t token) const;
+
+    llama_model *   model()   const { return model_; }
+    llama_context * context() const { return ctx_; }
+    int32_t n_ctx()   const { return n_ctx_; }
+    int32_t n_batch() const { return n_batch_; }
+    int32_t n_embd()  const { return n_embd_; }
+    int32_t n_vocab() const { return n_vocab_; }
+    int32_t n_layer() const { return n_layer_; }
+    int32_t n_taps()  const { return (int32_t) tap_names_.size(); }
+
+private:
+    static bool on_eval(struct ggml_tensor * t, bool ask, void * user_data);
+    int32_t tap_of(const char * name) const;
+
+    llama_model *       model_ = nullptr;
+    llama_context *     ctx_   = nullptr;
+    const llama_vocab * vocab_ = nullptr;
+    int32_t n_ctx_ = 0, n_batch_ = 0, n_embd_ = 0, n_vocab_ = 0, n_layer_ = 0;
+
+    std::vector<std::string> tap_names_;    // per tap: "l_out-L" or "result_norm"
+    bool                     needs_all_rows_ = false;  // a result_norm tap: keep every row's output
+    std::vector<std::vector<float>> tap_rows_;  // per tap, rows captured so far in this decode
+    std::vector<float>       features_;
+    std::vector<int32_t>     logit_rows_;   // decode-local index of each kept logit row
+    std::vector<float>       logits_;       // kept logits, [n_kept, n_vocab]
+};
+
+} // namespace dflash

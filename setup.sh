@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Sets up dflash-llama on a fresh machine, idempotently: a virtual environment in .venv, the
+# dependencies from PyPI, the pinned llama.cpp (fetched from its PyPI sdist, hash-checked), and an
+# editable build of the native runtime, CLI and peer tools (incremental after the first run).
+#
+#   ./setup.sh          set up
+#   ./setup.sh --test   set up, then run the test suite
+#
+# Environment: PYTHON (interpreter for the venv, default python3), TORCH_SPEC (default
+# torch==2.13.0, the CPU wheel), GGML_CUDA=ON for a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+run_tests=0
+for arg in "$@"; do
+    case "$arg" in
+        --test) run_tests=1 ;;
+        -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+        *) echo "setup.sh: unknown argument '$arg' (try --help)" >&2; exit 2 ;;
+    esac
+done
+
+PY=${PYTHON:-python3}
+step() { printf '\n== %s\n' "$*"; }
+
+step "virtual environment (.venv)"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
+
+step "PyTorch (${TORCH_SPEC:-torch==2.13.0}) and build tools"
+"${pip[@]}" install "${TORCH_SPEC:-torch==2.13.0}"
+"${pip[@]}" install "scikit-build-core>=0.10" "nanobind>=2.4" ninja "cmake>=3.21"
+
+step "pinned llama.cpp"
+.venv/bin/python third_party/fetch_llama_cpp.py
+
+step "dflash-llama (editable; native build in build/, incremental)"
+DFLASH_LLAMA_PEER_TOOLS=ON "${pip[@]}" install --no-build-isolation -e '.[test]'
+# the published reference, for parity tests only; its pins are stricter than ours
+"${pip[@]}" install --no-deps "dflash==0.1.0"
+
+.venv/bin/python -c "import dflash_llama as d; print('dflash-llama', d.__version__, '| llama.cpp', d.llama_cpp_commit())"
+
+if [ "$run_tests" = 1 ]; then
+    step "tests"
+    set +e
+    .venv/bin/python -m pytest -q
+    rc=$?
+    set -e
+    if [ "$rc" = 5 ]; then
+        echo "setup.sh: pytest collected no tests: that is a failure, not a pass" >&2
+        exit 1
+    fi
+    exit "$rc"
+fi

@@ -1,0 +1,90 @@
+"""Shared, session-scoped fixtures: tiny deterministic models built once per test run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_llama import fixtures
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return fixtures.smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def tiny_target_hf(tmp_path_factory) -> Path:
+    return fixtures.tiny_target_hf(tmp_path_factory.mktemp("tiny_target_hf"))
+
+
+@pytest.fixture(scope="session")
+def tiny_target_gguf(tiny_target_hf, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny_target_gguf") / "tiny-target-f32.gguf"
+    return fixtures.tiny_target_gguf(tiny_target_hf, out, outtype="f32")
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_hf(tiny_target_hf, tmp_path_factory) -> Path:
+    return fixtures.tiny_draft_hf(tmp_path_factory.mktemp("tiny_draft_hf"), tiny_target_hf)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_gguf_pinned(tiny_draft_hf, tiny_target_hf, tmp_path_factory) -> Path:
+    """The tiny draft converted by the pinned llama.cpp converter (f32): llama.cpp's layout."""
+    out = tmp_path_factory.mktemp("tiny_draft_gguf_pinned") / "tiny-draft-f32.gguf"
+    fixtures.run_pinned_converter([str(tiny_draft_hf), "--target-model-dir", str(tiny_target_hf),
+                                   "--outfile", str(out), "--outtype", "f32"])
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference_target(tiny_target_hf):
+    """The tiny target behind the reference's adapter (f32, transformers)."""
+    from dflash_llama.reference import Target
+
+    return Target.load(tiny_target_hf)
+
+
+def _edit_config(draft_dir: Path, edit) -> Path:
+    path = draft_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    edit(cfg)
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+    return draft_dir
+
+
+@pytest.fixture(scope="session")
+def reference_drafts(tiny_target_hf, tmp_path_factory) -> dict[str, Path]:
+    """Random published-format drafts for the tiny target covering the configuration space:
+    GQA 4:1, several layers, sliding and causal layers, explicit and default target_layer_ids
+    (including the last target layer), block sizes 4, 5, 8, 16, f32/f16/bf16 weights,
+    rope_parameters, and the optional scales in dflash_config."""
+    make = lambda name, **kw: fixtures.tiny_draft_hf(  # noqa: E731
+        tmp_path_factory.mktemp(f"draft_{name}"), tiny_target_hf, fixtures.TinyDraftConfig(**kw))
+
+    def rope_parameters(cfg):
+        del cfg["rope_theta"]
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+
+    def scales(cfg):  # DFlash keys inside dflash_config win over the top level
+        cfg["dflash_config"].update(block_size=5, input_embedding_scale=1.5,
+                                    output_multiplier=0.7, final_logit_softcapping=4.0)
+        cfg["block_size"] = 16
+
+    return {
+        "gqa4_last_layer_tap": make("gqa4", layers=2, heads=8, kv_heads=2, head_dim=8, ffn=96,
+                                    block_size=4, target_layer_ids=[0, 3], seed=11),
+        "sliding_default_taps": _edit_config(make(
+            "sliding", layers=3, heads=4, kv_heads=1, block_size=8, seed=12,
+            layer_types=["full_attention", "sliding_attention", "full_attention"],
+            sliding_window=4), rope_parameters),
+        "noncausal_window_scales": _edit_config(make(
+            "window", layers=2, heads=4, kv_heads=2, target_layer_ids=[1, 2, 3], seed=13,
+            layer_types=["sliding_attention", "sliding_attention"], sliding_window=3,
+            dtype="float16", extra_config={"is_causal": False}), scales),
+        "one_layer_causal": make("causal", layers=1, heads=4, kv_heads=1, block_size=16,
+                                 dtype="float32", extra_config={"is_causal": True}, seed=14),
+    }
