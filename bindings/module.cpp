@@ -100,19 +100,21 @@ NB_MODULE(_core, m) {
 
     nb::class_<dflash::engine>(m, "Engine")
         .def("__init__", [](dflash::engine * self, const std::string & target, const std::string & draft,
-                            int32_t n_threads, int32_t n_ctx, int32_t n_batch, int32_t n_gpu_layers, bool verbose) {
+                            int32_t n_threads, int32_t n_ctx, int32_t n_batch, int32_t n_gpu_layers, bool kv_f32,
+                            bool verbose) {
                  dflash::engine_params p;
                  p.target.path = target;
                  p.target.n_threads = n_threads;
                  p.target.n_ctx = n_ctx;
                  p.target.n_batch = n_batch;
                  p.target.n_gpu_layers = n_gpu_layers;
+                 p.target.kv_f32 = kv_f32;
                  p.draft_path = draft;
                  p.verbose = verbose;
                  nb::gil_scoped_release release;
                  new (self) dflash::engine(p);
              },
-             "target"_a, "draft"_a, "n_threads"_a, "n_ctx"_a, "n_batch"_a, "n_gpu_layers"_a, "verbose"_a)
+             "target"_a, "draft"_a, "n_threads"_a, "n_ctx"_a, "n_batch"_a, "n_gpu_layers"_a, "kv_f32"_a, "verbose"_a)
         .def_prop_ro("has_draft", &dflash::engine::has_draft)
         .def_prop_ro("n_ctx", [](dflash::engine & e) { return e.target().n_ctx(); })
         .def_prop_ro("n_vocab", [](dflash::engine & e) { return e.target().n_vocab(); })

@@ -49,6 +49,11 @@ target_runner::target_runner(const target_params & params) {
     cparams.n_threads         = n_threads;
     cparams.n_threads_batch   = n_threads;
     cparams.no_perf           = true;
+    if (params.kv_f32) {  // full precision for parity: f32 cache, and no flash attention (it rounds Q to f16 on CPU)
+        cparams.type_k = GGML_TYPE_F32;
+        cparams.type_v = GGML_TYPE_F32;
+        cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    }
     cparams.cb_eval           = &target_runner::on_eval;
     cparams.cb_eval_user_data = this;
     ctx_ = llama_init_from_model(model_, cparams);
@@ -58,7 +63,8 @@ target_runner::target_runner(const target_params & params) {
         throw std::runtime_error(params.path + ": llama.cpp could not create a context" +
                                  (why.empty() ? std::string() : " (" + why + ")"));
     }
-    n_ctx_   = (int32_t) llama_n_ctx(ctx_);
+    // llama.cpp may round the context up; the caller's size is the limit we honour
+    n_ctx_   = std::min((int32_t) llama_n_ctx(ctx_), params.n_ctx);
     n_batch_ = (int32_t) llama_n_batch(ctx_);
 }
 

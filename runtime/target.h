@@ -19,6 +19,7 @@ struct target_params {
     int32_t n_batch      = 512;
     int32_t n_threads    = 0;   // 0: all hardware threads
     int32_t n_gpu_layers = 0;
+    bool    kv_f32       = false;  // f32 KV cache (parity runs); llama.cpp's default is f16
 };
 
 class target_runner {

@@ -76,11 +76,12 @@ class Stream:
 class Runtime:
     def __init__(self, target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
                  n_threads: int = 0, n_ctx: int = 4096, n_batch: int = 512, n_gpu_layers: int = 0,
-                 verbose: bool = False):
+                 kv_f32: bool = False, verbose: bool = False):
+        """kv_f32: keep the target's KV cache in f32 (llama.cpp's default is f16), for parity runs."""
         from . import _core
 
         self._engine = _core.Engine(os.fspath(target), os.fspath(draft) if draft else "",
-                                    n_threads, n_ctx, n_batch, n_gpu_layers, verbose)
+                                    n_threads, n_ctx, n_batch, n_gpu_layers, kv_f32, verbose)
         self._core = _core
         self._lock = threading.Lock()  # one sequence at a time
 

