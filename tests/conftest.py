@@ -32,15 +32,6 @@ def tiny_draft_hf(tiny_target_hf, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_draft_gguf_pinned(tiny_draft_hf, tiny_target_hf, tmp_path_factory) -> Path:
-    """The tiny draft converted by the pinned llama.cpp converter (f32): llama.cpp's layout."""
-    out = tmp_path_factory.mktemp("tiny_draft_gguf_pinned") / "tiny-draft-f32.gguf"
-    fixtures.run_pinned_converter([str(tiny_draft_hf), "--target-model-dir", str(tiny_target_hf),
-                                   "--outfile", str(out), "--outtype", "f32"])
-    return out
-
-
-@pytest.fixture(scope="session")
 def reference_target(tiny_target_hf):
     """The tiny target behind the reference's adapter (f32, transformers)."""
     from dflash_llama.reference import Target
@@ -60,14 +51,18 @@ def _edit_config(draft_dir: Path, edit) -> Path:
 def reference_drafts(tiny_target_hf, tmp_path_factory) -> dict[str, Path]:
     """Random published-format drafts for the tiny target covering the configuration space:
     GQA 4:1, several layers, sliding and causal layers, explicit and default target_layer_ids
-    (including the last target layer), block sizes 4, 5, 8, 16, f32/f16/bf16 weights,
-    rope_parameters, and the optional scales in dflash_config."""
+    (including the last target layer), block sizes 4, 5, 6, 8, 16, f32/f16/bf16 weights,
+    rope_parameters (default and linear), and the optional scales in dflash_config."""
     make = lambda name, **kw: fixtures.tiny_draft_hf(  # noqa: E731
         tmp_path_factory.mktemp(f"draft_{name}"), tiny_target_hf, fixtures.TinyDraftConfig(**kw))
 
     def rope_parameters(cfg):
         del cfg["rope_theta"]
         cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+
+    def linear_rope(cfg):
+        del cfg["rope_theta"]
+        cfg["rope_parameters"] = {"rope_type": "linear", "factor": 4.0, "rope_theta": 5e5}
 
     def scales(cfg):  # DFlash keys inside dflash_config win over the top level
         cfg["dflash_config"].update(block_size=5, input_embedding_scale=1.5,
@@ -87,4 +82,21 @@ def reference_drafts(tiny_target_hf, tmp_path_factory) -> dict[str, Path]:
             dtype="float16", extra_config={"is_causal": False}), scales),
         "one_layer_causal": make("causal", layers=1, heads=4, kv_heads=1, block_size=16,
                                  dtype="float32", extra_config={"is_causal": True}, seed=14),
+        "linear_rope": _edit_config(make("linear", layers=2, block_size=6,
+                                         target_layer_ids=[2, 0], seed=15), linear_rope),
     }
+
+
+@pytest.fixture(scope="session")
+def pinned_draft_ggufs(reference_drafts, tiny_target_hf, tmp_path_factory) -> dict[str, Path]:
+    """Two of `reference_drafts` converted to f32 GGUF by the pinned llama.cpp converter (its
+    layout, its keys). Only drafts with explicit target_layer_ids: for the default rule the
+    pinned converter writes no dflash.target_layers, and llama.cpp cannot load the result."""
+    out = {}
+    for name in ("gqa4_last_layer_tap", "noncausal_window_scales"):
+        path = tmp_path_factory.mktemp("pinned_gguf") / f"{name}-f32.gguf"
+        fixtures.run_pinned_converter([str(reference_drafts[name]), "--target-model-dir",
+                                       str(tiny_target_hf), "--outfile", str(path),
+                                       "--outtype", "f32"])
+        out[name] = path
+    return out

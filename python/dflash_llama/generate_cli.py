@@ -40,6 +40,18 @@ class GenerateRequest:
     seed: int = 0
     ignore_eos: bool = False
 
+    def __post_init__(self):  # cheap checks before any engine loads a model
+        if self.max_tokens < 1:
+            raise ValueError(f"-n must be >= 1, got {self.max_tokens}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.temperature < 0:
+            raise ValueError(f"--temp must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k must be >= 0, got {self.top_k}")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=ENGINES, default="reference",
@@ -68,11 +80,13 @@ def run_engine(engine: str, req: GenerateRequest) -> dict:
 
 def _run_reference(req: GenerateRequest) -> dict:
     import torch
+    from transformers.utils import logging as hf_logging
 
     from .reference import (Sampling, Target, generate_autoregressive, generate_speculative,
                             load_draft_for_target)
 
     torch.manual_seed(req.seed)
+    hf_logging.disable_progress_bar()
     target = Target.load(req.target)
     if req.prompt_ids is not None:
         prompt_ids = req.prompt_ids

@@ -1,0 +1,346 @@
+"""The DFlash 1 draft model in plain PyTorch (no transformers inside).
+
+One forward takes the target features of context tokens the draft has not seen yet and a block
+`[last accepted token, MASK, ..., MASK]`, and returns logits for block positions 1..B-1. The draft
+owns `fc`, `hidden_norm`, its decoder layers and the final `norm`; token embeddings and the LM head
+are the target's, handed in with `attach_target`. Weights are loaded by `checkpoint.load_draft`.
+
+Everything is unbatched (one sequence): token-major tensors `[n_tokens, ...]`, as in ggml graphs.
+
+Tracing: pass a dict as `trace` and every intermediate is stored under its name in the shared
+vocabulary (llama.cpp's graph names in `src/models/dflash.cpp`, `-N` = layer N). Shapes, with
+n = number of new context tokens, B = block length, H = hidden size, F = n_taps * H:
+
+    fc_out              [n, H]        fc(ctx_feat), before hidden_norm
+    inp_g_embeddings    [n, H]        hidden_norm(fc_out): the projected context
+    Kcur_injected-N     [n, n_kv, D]  k_proj(context) after k_norm AND RoPE (context positions)
+    Vcur_injected-N     [n, n_kv, D]  v_proj(context), no norm, no RoPE
+    inp_noise_embd      [B, H]        target_embed(block) * input_embedding_scale
+    noise_norm-N        [B, H]        input_layernorm (llama.cpp attn_norm) of the layer input
+    Qcur-N              [B, n_head, D] q_proj(noise_norm) after q_norm AND RoPE (block positions)
+    Kcur-N              [B, n_kv, D]  k_proj(noise_norm) after k_norm AND RoPE
+    Vcur-N              [B, n_kv, D]  v_proj(noise_norm)
+    ffn_inp-N           [B, H]        layer input + o_proj(attention)
+    ffn_norm-N          [B, H]        post_attention_layernorm(ffn_inp)
+    ffn_out-N           [B, H]        down(silu(gate(ffn_norm)) * up(ffn_norm)), before the residual
+    l_out-N             [B, H]        ffn_inp + ffn_out: the layer output
+    result_norm         [B, H]        final norm, every block position (position 0 included)
+    result_output       [B, V]        lm_head(result_norm) for every block position, RAW: before
+                                      output_multiplier and soft-capping, which llama.cpp applies in
+                                      its sampler for DFlash 1 (the forward's return value has them)
+
+`fc_out` is named in llama.cpp's encoder graph only; its decoder graph names the normed tensor
+`inp_g_embeddings`. A context batch and a block are separate llama.cpp graphs; here they are one
+call. The untraced path pays one `is not None` test per name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_linear_factor: float = 1.0  # linear RoPE scaling: positions / factor
+    layer_types: list[str] = field(default_factory=list)  # one per layer; empty: all full
+    sliding_window: int | None = None  # window of the sliding layers; None: no window
+    is_causal: bool | None = None  # None: sliding layers causal, full layers not
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    num_target_layers: int | None = None  # as written in the HF config; GGUFs do not store it
+
+    def __post_init__(self):
+        if not self.layer_types:
+            self.layer_types = [FULL_ATTENTION] * self.num_layers
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_layers} layers")
+        for t in self.layer_types:
+            if t not in (FULL_ATTENTION, SLIDING_ATTENTION):
+                raise ValueError(f"layer type {t!r} is not supported "
+                                 f"(only {FULL_ATTENTION!r} and {SLIDING_ATTENTION!r})")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(f"{self.num_heads} attention heads are not a multiple of "
+                             f"{self.num_kv_heads} kv heads")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+
+    @property
+    def n_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def layer_is_causal(self, il: int) -> bool:
+        """The published rule: a sliding layer is causal, a full one is not, unless `is_causal`."""
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return self.layer_types[il] == SLIDING_ATTENTION
+
+    def layer_window(self, il: int) -> int | None:
+        return self.sliding_window if self.layer_types[il] == SLIDING_ATTENTION else None
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The published default taps: the middle layer for one draft layer, else spread over 1..T-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()  # statistics in f32 whatever the weights are
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 linear_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [n, head_dim] for NeoX (rotate-half) RoPE, computed in f32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if linear_factor != 1.0:
+        inv_freq = inv_freq / linear_factor
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [n, heads, head_dim]; cos, sin: [n, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class DraftCache:
+    """Per layer K (after k_norm and RoPE) and V of the projected context the draft has seen.
+
+    Only context tokens enter the cache; block K/V are used once and dropped, which is what the
+    published loop gets by cropping back to `start` after every draft forward.
+    """
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers  # [T, n_kv, D]
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.positions: torch.Tensor | None = None  # [T]
+
+    def __len__(self) -> int:
+        return 0 if self.positions is None else int(self.positions.shape[0])
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` cached tokens."""
+        if length < 0 or length > len(self):
+            raise ValueError(f"cannot crop a draft cache of {len(self)} tokens to {length}")
+        if self.positions is None:
+            return
+        self.keys = [k[:length] for k in self.keys]
+        self.values = [v[:length] for v in self.values]
+        self.positions = self.positions[:length]
+
+
+class DraftLayer(nn.Module):
+    """One decoder layer; attribute names follow the published checkpoint (`layers.N.*`)."""
+
+    def __init__(self, cfg: DraftConfig, il: int):
+        super().__init__()
+        self.il = il
+        self.n_head, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.is_causal = cfg.layer_is_causal(il)
+        self.window = cfg.layer_window(il)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = nn.Module()
+        a = self.self_attn
+        a.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        a.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        a.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        a.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        a.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        a.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.mlp.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.mlp.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def context_kv(self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """K (k_norm + RoPE) and V of the projected context c: [n, H] -> [n, n_kv, D] each."""
+        a = self.self_attn
+        k = apply_rope(a.k_norm(a.k_proj(c).view(-1, self.n_kv, self.head_dim)), cos, sin)
+        v = a.v_proj(c).view(-1, self.n_kv, self.head_dim)
+        return k, v
+
+    def attention_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        """[B, T] bool (True = visible), or None when every block query sees every key."""
+        if not self.is_causal and self.window is None:
+            return None
+        qp, kp = q_pos[:, None], k_pos[None, :]
+        visible = torch.ones(qp.shape[0], kp.shape[1], dtype=torch.bool)
+        if self.is_causal:
+            visible &= kp <= qp
+        if self.window is not None:
+            visible &= qp - kp < self.window
+            if not self.is_causal:
+                visible &= kp - qp < self.window
+        return visible
+
+    def forward(self, x, ctx_k, ctx_v, ctx_pos, blk_pos, blk_cos, blk_sin, trace=None):
+        """x: [B, H] block hidden states; ctx_k, ctx_v: [T, n_kv, D] all context K/V (cache + new)."""
+        il, a = self.il, self.self_attn
+        h = self.input_layernorm(x)
+        q = apply_rope(a.q_norm(a.q_proj(h).view(-1, self.n_head, self.head_dim)), blk_cos, blk_sin)
+        k = apply_rope(a.k_norm(a.k_proj(h).view(-1, self.n_kv, self.head_dim)), blk_cos, blk_sin)
+        v = a.v_proj(h).view(-1, self.n_kv, self.head_dim)
+        if trace is not None:
+            trace[f"noise_norm-{il}"] = h
+            trace[f"Qcur-{il}"], trace[f"Kcur-{il}"], trace[f"Vcur-{il}"] = q, k, v
+
+        # block queries see every context key and every block key (non-causal unless configured)
+        keys = torch.cat([ctx_k, k]).transpose(0, 1)  # [n_kv, T + B, D]
+        values = torch.cat([ctx_v, v]).transpose(0, 1)
+        rep = self.n_head // self.n_kv  # GQA: query head i reads kv head i // rep
+        keys, values = keys.repeat_interleave(rep, 0), values.repeat_interleave(rep, 0)
+        mask = self.attention_mask(blk_pos, torch.cat([ctx_pos, blk_pos]))
+        attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
+                                              scale=self.head_dim ** -0.5)
+        attn = attn.transpose(0, 1).reshape(x.shape[0], -1)  # [B, n_head * D]
+
+        x = x + a.o_proj(attn)
+        hn = self.post_attention_layernorm(x)
+        f = self.mlp.down_proj(F.silu(self.mlp.gate_proj(hn)) * self.mlp.up_proj(hn))
+        out = x + f
+        if trace is not None:
+            trace[f"ffn_inp-{il}"], trace[f"ffn_norm-{il}"] = x, hn
+            trace[f"ffn_out-{il}"], trace[f"l_out-{il}"] = f, out
+        return out
+
+
+class DFlashDraft(nn.Module):
+    """fc + hidden_norm over the target features, decoder layers over the block, final norm."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.n_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg, il) for il in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens: torch.Tensor | None = None  # the target's, [V, H]
+        self.lm_head: torch.Tensor | None = None  # the target's, [V, H]
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.config.target_layer_ids
+
+    def attach_target(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
+        """Use the target's token embeddings and output head ([vocab, hidden] each)."""
+        cfg = self.config
+        for name, w in (("token embeddings", embed_tokens), ("output head", lm_head)):
+            if w.dim() != 2 or w.shape[1] != cfg.hidden_size:
+                raise ValueError(f"draft hidden size {cfg.hidden_size} does not match the target's "
+                                 f"{name} of shape {tuple(w.shape)}")
+            if w.shape[0] != cfg.vocab_size:
+                raise ValueError(f"draft vocab size {cfg.vocab_size} does not match the target's "
+                                 f"{name} with {w.shape[0]} rows")
+        dtype = self.fc.weight.dtype
+        self.embed_tokens, self.lm_head = embed_tokens.to(dtype), lm_head.to(dtype)
+
+    def new_cache(self) -> DraftCache:
+        return DraftCache(self.config.num_layers)
+
+    def forward(self, ctx_feat: torch.Tensor, block_ids: torch.Tensor | list[int], start: int,
+                cache: DraftCache | None = None, trace: dict | None = None) -> torch.Tensor:
+        """Logits [B-1, V] for block positions 1..B-1 (after output_multiplier and soft-cap).
+
+        ctx_feat: [n, n_taps*H] target features of the context tokens at positions start-n ..
+        start-1 that the cache does not hold yet (n may be 0); block_ids: B token ids at
+        positions start .. start+B-1. With a cache, it must hold exactly positions 0..start-n-1,
+        and afterwards holds 0..start-1.
+        """
+        cfg = self.config
+        if self.embed_tokens is None:
+            raise RuntimeError("attach_target(embed_tokens, lm_head) must be called first")
+        block_ids = torch.as_tensor(block_ids, dtype=torch.long)
+        dtype = self.fc.weight.dtype
+        if ctx_feat.dim() != 2 or ctx_feat.shape[1] != cfg.n_taps * cfg.hidden_size:
+            raise ValueError(f"ctx_feat has shape {tuple(ctx_feat.shape)}, expected "
+                             f"[n, {cfg.n_taps * cfg.hidden_size}] ({cfg.n_taps} taps)")
+        ctx_feat = ctx_feat.to(dtype)
+        n, b = ctx_feat.shape[0], block_ids.shape[0]
+        if cache is not None and len(cache) != start - n:
+            raise ValueError(f"the draft cache holds {len(cache)} tokens but the context starts "
+                             f"at position {start - n}")
+
+        ctx_pos = torch.arange(start - n, start)
+        blk_pos = torch.arange(start, start + b)
+        rope = (cfg.head_dim, cfg.rope_theta, dtype, cfg.rope_linear_factor)
+        ctx_cos, ctx_sin = rope_cos_sin(ctx_pos, *rope)
+        blk_cos, blk_sin = rope_cos_sin(blk_pos, *rope)
+
+        fc_out = self.fc(ctx_feat)
+        c = self.hidden_norm(fc_out)  # the projected context, [n, H]
+        x = F.embedding(block_ids, self.embed_tokens) * cfg.input_embedding_scale
+        if trace is not None:
+            trace["fc_out"], trace["inp_g_embeddings"], trace["inp_noise_embd"] = fc_out, c, x
+
+        all_pos = ctx_pos if cache is None or cache.positions is None else torch.cat(
+            [cache.positions, ctx_pos])
+        for il, layer in enumerate(self.layers):
+            k_new, v_new = layer.context_kv(c, ctx_cos, ctx_sin)
+            if trace is not None:
+                trace[f"Kcur_injected-{il}"], trace[f"Vcur_injected-{il}"] = k_new, v_new
+            if cache is not None:
+                if cache.keys[il] is not None:
+                    k_new = torch.cat([cache.keys[il], k_new])
+                    v_new = torch.cat([cache.values[il], v_new])
+                cache.keys[il], cache.values[il] = k_new, v_new
+            x = layer(x, k_new, v_new, all_pos, blk_pos, blk_cos, blk_sin, trace)
+        if cache is not None:
+            cache.positions = all_pos
+
+        y = self.norm(x)
+        logits = F.linear(y[1:], self.lm_head)
+        if trace is not None:  # the whole block, computed apart so tracing never changes logits
+            trace["result_norm"], trace["result_output"] = y, F.linear(y, self.lm_head)
+        return self.finish_logits(logits)
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """output_multiplier, then tanh soft-cap: the published compute_logits."""
+        cfg = self.config
+        logits = logits * cfg.output_multiplier
+        cap = cfg.final_logit_softcapping
+        if cap is not None and cap > 0:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
