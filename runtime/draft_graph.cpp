@@ -287,6 +287,9 @@ void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_
     }
 
     ggml_tensor * y = g.name(rms_norm(g.ctx, x, draft_.output_norm), "result_norm");
+    if (g.tracing) {  // llama.cpp's result_output: raw head output of every block position, traced apart
+        g.name(ggml_mul_mat(g.ctx, output_, y), "result_output");
+    }
     // block position 0 holds the known last token: only positions 1.. need logits
     ggml_tensor * y_pred = ggml_view_2d(g.ctx, y, hp.n_embd, n_block - 1, y->nb[1], y->nb[1]);
     ggml_tensor * out = ggml_mul_mat(g.ctx, output_, y_pred);
@@ -296,7 +299,6 @@ void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_
     if (hp.logit_softcap > 0.0f) {
         out = ggml_scale(g.ctx, ggml_tanh(g.ctx, ggml_scale(g.ctx, out, 1.0f / hp.logit_softcap)), hp.logit_softcap);
     }
-    out = g.name(out, "result_output");
     ggml_set_output(out);
     ggml_build_forward_expand(g.gf, out);
     for (ggml_tensor * t : g.named) {

@@ -7,6 +7,8 @@
 //                               final norm, logits for block positions 1..B-1 through the
 //                               target's output head
 //
+// Traced `result_output` is the raw head output of all block positions, as in llama.cpp's graph;
+// the logits returned for positions 1.. have dflash.logit_scale and the soft-cap applied.
 // The block's own K/V are never written to the cache (the published loop crops them away), so
 // cropping the cache after a rejection is only `crop(n)`. Token embeddings and the LM head are the
 // target's tensors, used in place. Every intermediate is named as in llama.cpp's `dflash` graph

@@ -64,22 +64,23 @@ def test_generation_record(rt):
 
 def test_trace_draft_names_and_shapes(rt):
     tokens = rt.tokenize("def fibonacci(n):")
+    gen = rt.generate(tokens, 2 + rt.block_size)
     feats = rt.capture(tokens)
-    block = [tokens[-1]] + [rt.mask_token_id] * (rt.block_size - 1)
+    block = [gen.tokens[0]] + [rt.mask_token_id] * (rt.block_size - 1)  # the generation's first block
     tr = rt.trace_draft(feats, block)
     B, n = rt.block_size, len(tokens)
     assert tr["fc_out"].shape == (n, 64)
     assert tr["inp_g_embeddings"].shape == (n, 64)
     assert tr["Kcur_injected-0"].shape == (n, 2, 16)
+    assert tr["Vcur_injected-0"].shape == (n, 2, 16)
+    assert tr["inp_noise_embd"].shape == (B, 64)
     assert tr["Qcur-0"].shape == (B, 4, 16)
     assert tr["l_out-0"].shape == (B, 64)
     assert tr["result_norm"].shape == (B, 64)
-    assert tr["result_output"].shape == (B - 1, rt.n_vocab)
-    # tracing does not change the answer: the traced logits pick the drafted tokens of a generation
-    gen = rt.generate(tokens, 2 + B)
-    first = gen.steps[0].drafted
-    assert [int(np.argmax(row)) for row in tr["result_output"][:len(first)]] == first or \
-        block[0] != gen.tokens[0]
+    assert tr["result_output"].shape == (B, rt.n_vocab)
+    # tracing does not change the answer: the traced logits pick the generation's first draft
+    drafted = gen.steps[0].drafted
+    assert [int(np.argmax(row)) for row in tr["result_output"][1:1 + len(drafted)]] == drafted
 
 
 def test_errors_on_bad_input(rt, tiny_target_gguf, draft_gguf, tmp_path):

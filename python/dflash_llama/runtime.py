@@ -158,7 +158,7 @@ class Runtime:
     def trace_draft(self, features: np.ndarray, block: Sequence[int]) -> dict[str, np.ndarray]:
         """Every named draft intermediate (float32, NumPy order) for context `features`
         ([n_ctx_tokens, n_taps * n_embd], at positions 0..) and a `block` at the next positions.
-        `result_output` holds the logits of block positions 1..B-1: [B-1, n_vocab]."""
+        `result_output` is the raw head output of every block position: [B, n_vocab]."""
         feats = np.ascontiguousarray(features, dtype=np.float32)
         if feats.ndim != 2:
             raise ValueError(f"features must be 2-D [n_tokens, n_taps * n_embd], got shape {feats.shape}")
