@@ -1,0 +1,348 @@
+"""Training a small DFlash draft, per the published recipe, on a CPU.
+
+The target is frozen and never runs here: its features were captured once (train_data.py) and
+its token embeddings and LM head are read from its GGUF. Per sequence, random anchors a give
+blocks [token a, MASK, ...] at positions a..a+B-1; each block sees the target features of tokens
+before a and attends bidirectionally inside itself, never to another block. Block position k
+predicts token a+k with weight exp(-(k-1)/gamma).
+
+To fit a CPU, the loss normalises over a fixed subset of the vocabulary (the tokens the target
+actually writes in the training data, plus every target token of the batch) instead of all of it:
+the head matmul is the bulk of the cost, and tokens the target never writes carry no signal.
+The held-out estimate of tau (greedy, teacher forced) uses the full vocabulary.
+
+Checkpoints are the published HF format (config.json + model.safetensors, bf16), so our converter,
+llama.cpp's converter and the `dflash` package all load them; `train_state.pt` makes it resumable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from .model import DFlashDraft, DraftConfig, apply_rope, rope_cos_sin
+
+
+@dataclass
+class TrainConfig:
+    target_layer_ids: list[int]
+    layers: int = 2
+    block_size: int = 8
+    heads: int = 0  # 0: the target's
+    kv_heads: int = 0
+    head_dim: int = 0
+    ffn: int = 0
+    mask_token_id: int = 0
+    epochs: float = 4.0
+    lr: float = 6e-4
+    warmup: float = 0.04
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    anchors: int = 32  # per sequence
+    batch: int = 8  # sequences per optimizer step
+    gamma: float = 0.0  # 0: 7 for B=16, 4 for B=8 (published), else B/2
+    vocab_subset: int = 8192  # 0: full vocabulary in the loss
+    heldout: int = 64  # sequences held out for the tau estimate
+    eval_every: int = 200  # optimizer steps
+    seed: int = 0
+
+    def resolved_gamma(self) -> float:
+        if self.gamma > 0:
+            return self.gamma
+        return {16: 7.0, 8: 4.0}.get(self.block_size, self.block_size / 2)
+
+
+@dataclass
+class TargetWeights:
+    embed_tokens: torch.Tensor  # [V, H]
+    lm_head: torch.Tensor  # [V, H]
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn: int
+    rope_theta: float
+    rms_eps: float
+
+
+def target_weights_from_gguf(path: str | os.PathLike) -> TargetWeights:
+    """The frozen pieces of a GGUF target the draft uses, dequantised to f32."""
+    from dflash_llama import gguf_info
+
+    from .checkpoint import _gguf_tensor
+
+    info = gguf_info(path)
+    embed = _gguf_tensor(Path(path), info.data_offset, info.tensor("token_embd.weight"))
+    names = {t.name for t in info.tensors}
+    head = (_gguf_tensor(Path(path), info.data_offset, info.tensor("output.weight"))
+            if "output.weight" in names else embed)
+    n_embd, n_head = int(info.get("embedding_length")), int(info.get("attention.head_count"))
+    return TargetWeights(
+        embed_tokens=embed, lm_head=head, n_layers=int(info.block_count), n_heads=n_head,
+        n_kv_heads=int(info.get("attention.head_count_kv", n_head)),
+        head_dim=int(info.get("attention.key_length", n_embd // n_head)),
+        ffn=int(info.get("feed_forward_length")), rope_theta=float(info.get("rope.freq_base", 10000.0)),
+        rms_eps=float(info.get("attention.layer_norm_rms_epsilon", 1e-6)))
+
+
+def draft_config(cfg: TrainConfig, t: TargetWeights) -> DraftConfig:
+    return DraftConfig(
+        hidden_size=t.embed_tokens.shape[1], intermediate_size=cfg.ffn or t.ffn, num_layers=cfg.layers,
+        num_heads=cfg.heads or t.n_heads, num_kv_heads=cfg.kv_heads or t.n_kv_heads,
+        head_dim=cfg.head_dim or t.head_dim, vocab_size=t.embed_tokens.shape[0],
+        mask_token_id=cfg.mask_token_id, target_layer_ids=list(cfg.target_layer_ids),
+        block_size=cfg.block_size, rms_norm_eps=1e-6, rope_theta=t.rope_theta,
+        num_target_layers=t.n_layers)
+
+
+def init_draft(dcfg: DraftConfig, seed: int) -> DFlashDraft:
+    torch.manual_seed(seed)
+    draft = DFlashDraft(dcfg)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02)
+            else:
+                p.fill_(1.0)
+    return draft
+
+
+# --------------------------------------------------------------------------- batched forward
+
+def block_hidden(draft: DFlashDraft, feats: torch.Tensor, tokens: torch.Tensor,
+                 anchors: torch.Tensor) -> torch.Tensor:
+    """Final-norm hidden states of every anchor's block: [M, B, H].
+
+    feats: [L, n_taps*H] the sequence's target features; tokens: [L]; anchors: [M] positions.
+    """
+    cfg = draft.config
+    B, L, M = cfg.block_size, feats.shape[0], anchors.shape[0]
+    dtype = draft.fc.weight.dtype
+    ctx_pos = torch.arange(L)
+    blk_pos = (anchors[:, None] + torch.arange(B)[None, :]).reshape(-1)  # [M*B]
+    rope = (cfg.head_dim, cfg.rope_theta, dtype, cfg.rope_linear_factor)
+    ctx_cos, ctx_sin = rope_cos_sin(ctx_pos, *rope)
+    blk_cos, blk_sin = rope_cos_sin(blk_pos, *rope)
+
+    # visibility: block m sees context before its anchor and its own block, nothing else
+    block_of = torch.arange(M).repeat_interleave(B)
+    sees_ctx = ctx_pos[None, :] < anchors.repeat_interleave(B)[:, None]  # [M*B, L]
+    sees_blk = block_of[:, None] == block_of[None, :]  # [M*B, M*B]
+    mask = torch.cat([sees_ctx, sees_blk], dim=1)
+
+    block_ids = torch.full((M, B), cfg.mask_token_id, dtype=torch.long)
+    block_ids[:, 0] = tokens[anchors]
+    x = F.embedding(block_ids.reshape(-1), draft.embed_tokens) * cfg.input_embedding_scale
+    c = draft.hidden_norm(draft.fc(feats.to(dtype)))
+    for layer in draft.layers:
+        k_ctx, v_ctx = layer.context_kv(c, ctx_cos, ctx_sin)
+        x = layer(x, k_ctx, v_ctx, ctx_pos, blk_pos, blk_cos, blk_sin, attn_mask=mask)
+    return draft.norm(x).view(M, B, -1)
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [L]
+    feats: torch.Tensor  # [L, F]
+    anchors: torch.Tensor  # [M]
+    targets: torch.Tensor  # [M, B-1], -1 past the sequence end
+
+
+def make_batch(tokens: np.ndarray, prompt_len: int, feats: np.ndarray, block_size: int, n_anchors: int,
+               rng: random.Random) -> Batch | None:
+    L = len(tokens)
+    candidates = list(range(max(prompt_len, 1), L - 1))  # anchors in the response, one target at least
+    if not candidates:
+        return None
+    anchors = sorted(rng.sample(candidates, min(n_anchors, len(candidates))))
+    tok = torch.from_numpy(tokens.astype(np.int64))
+    idx = torch.tensor(anchors)[:, None] + torch.arange(1, block_size)[None, :]
+    targets = torch.where(idx < L, tok[idx.clamp(max=L - 1)], torch.tensor(-1))
+    return Batch(tok, torch.from_numpy(feats.astype(np.float32)), torch.tensor(anchors), targets)
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)  # [B-1]
+
+
+def batch_loss(draft: DFlashDraft, b: Batch, weights: torch.Tensor, vocab: torch.Tensor | None,
+               vocab_index: torch.Tensor | None) -> torch.Tensor:
+    """Weighted cross-entropy over block positions 1..B-1 (over `vocab` if given)."""
+    y = block_hidden(draft, b.feats, b.tokens, b.anchors)[:, 1:]  # [M, B-1, H]
+    valid = b.targets >= 0
+    targets = b.targets.clamp(min=0)
+    if vocab is None:
+        logits = y @ draft.lm_head.T
+    else:
+        extra = torch.unique(targets[valid])
+        extra = extra[vocab_index[extra] < 0]  # targets outside the fixed subset join this batch
+        cols = torch.cat([vocab, extra])
+        index = vocab_index.clone()
+        index[extra] = torch.arange(len(vocab), len(cols))
+        logits = y @ draft.lm_head[cols].T
+        targets = torch.where(valid, index[targets], 0)  # masked positions weigh 0 anyway
+    logits = draft.finish_logits(logits)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    w = (weights[None, :] * valid).reshape(-1)
+    return (ce * w).sum() / w.sum().clamp(min=1e-6)
+
+
+@torch.no_grad()
+def teacher_forced_tau(draft: DFlashDraft, batches: list[Batch]) -> float:
+    """Mean 1 + accepted length of greedy drafts against the true continuation (full vocabulary)."""
+    total, n = 0.0, 0
+    for b in batches:
+        y = block_hidden(draft, b.feats, b.tokens, b.anchors)[:, 1:]
+        pred = draft.finish_logits(y @ draft.lm_head.T).argmax(-1)  # [M, B-1]
+        ok = (pred == b.targets) & (b.targets >= 0)
+        accepted = ok.long().cumprod(dim=1).sum(dim=1)
+        total += float((1 + accepted).sum())
+        n += len(accepted)
+    return total / max(n, 1)
+
+
+# --------------------------------------------------------------------------- loop
+
+def frequent_tokens(sequences, n: int) -> torch.Tensor:
+    counts = np.zeros(1, dtype=np.int64)
+    for tokens, prompt_len, _ in sequences:
+        resp = tokens[prompt_len:]
+        if resp.size:
+            counts = np.pad(counts, (0, max(0, int(resp.max()) + 1 - counts.size)))
+            np.add.at(counts, resp, 1)
+    order = np.argsort(-counts, kind="stable")[:n]
+    return torch.from_numpy(np.sort(order[counts[order] > 0]).astype(np.int64))
+
+
+def save_checkpoint(draft: DFlashDraft, out: Path, extra_config: dict | None = None) -> None:
+    """The published HF format: config.json + model.safetensors (bf16), no `model.` prefix."""
+    from safetensors.torch import save_file
+
+    cfg = draft.config
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": 8192, "tie_word_embeddings": False, "attention_bias": False,
+        "attention_dropout": 0.0, "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers, "torch_dtype": "bfloat16",
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+    }
+    config.update(extra_config or {})
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in draft.state_dict().items()}
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+@dataclass
+class TrainLog:
+    steps: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    heldout_tau: list[tuple[int, float]] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def train(data_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_dir: str | os.PathLike,
+          cfg: TrainConfig, progress: bool = True, threads: int = 0) -> TrainLog:
+    """Train (or resume) a draft on a dataset built by train_data.build_dataset."""
+    from tqdm import tqdm
+
+    from .train_data import iter_sequences
+
+    if threads:
+        torch.set_num_threads(threads)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
+    if list(manifest["layer_ids"]) != list(cfg.target_layer_ids):
+        raise ValueError(f"the dataset holds features of target layers {manifest['layer_ids']}, "
+                         f"not {cfg.target_layer_ids}")
+    t = target_weights_from_gguf(target_gguf)
+    sequences = list(iter_sequences(data_dir))
+    rng = random.Random(cfg.seed)
+    order = list(range(len(sequences)))
+    rng.shuffle(order)
+    heldout_ids, train_ids = order[:cfg.heldout], order[cfg.heldout:]
+    if not train_ids:
+        raise ValueError(f"{data_dir} has {len(sequences)} sequences: not enough to train")
+
+    draft = init_draft(draft_config(cfg, t), cfg.seed)
+    draft.attach_target(t.embed_tokens, t.lm_head)
+    draft.embed_tokens.requires_grad_(False)
+    draft.lm_head.requires_grad_(False)
+    vocab = frequent_tokens((sequences[i] for i in train_ids), cfg.vocab_subset) if cfg.vocab_subset else None
+    vocab_index = None
+    if vocab is not None:
+        vocab_index = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
+        vocab_index[vocab] = torch.arange(len(vocab))
+
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    total_steps = max(1, int(cfg.epochs * len(train_ids) / cfg.batch))
+    warmup = max(1, int(cfg.warmup * total_steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, 0.5 * (
+        1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total_steps - warmup))))) if s >= warmup else (s + 1) / warmup)
+
+    state_path = out / "train_state.pt"
+    step, log = 0, TrainLog()
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        draft.load_state_dict(state["draft"], strict=False)
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        step, log = state["step"], TrainLog(**state["log"])
+        rng.setstate(state["rng"])
+
+    weights = position_weights(cfg.block_size, cfg.resolved_gamma())
+    heldout = [b for b in (make_batch(*sequences[i], cfg.block_size, cfg.anchors, random.Random(i))
+                           for i in heldout_ids) if b is not None]
+    t0 = time.time() - log.wall_s
+    bar = tqdm(total=total_steps, initial=step, disable=not progress, desc="train", unit="step")
+    last_tau = log.heldout_tau[-1][1] if log.heldout_tau else float("nan")
+    draft.train()
+    while step < total_steps:
+        opt.zero_grad()
+        loss_sum = 0.0
+        for _ in range(cfg.batch):
+            b = make_batch(*sequences[rng.choice(train_ids)], cfg.block_size, cfg.anchors, rng)
+            if b is None:
+                continue
+            loss = batch_loss(draft, b, weights, vocab, vocab_index) / cfg.batch
+            loss.backward()
+            loss_sum += float(loss)
+        torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+        opt.step()
+        sched.step()
+        step += 1
+        log.steps.append(step)
+        log.loss.append(loss_sum)
+        if step % cfg.eval_every == 0 or step == total_steps:
+            draft.eval()
+            last_tau = teacher_forced_tau(draft, heldout)
+            draft.train()
+            log.heldout_tau.append((step, last_tau))
+            log.wall_s = time.time() - t0
+            save_checkpoint(draft, out)
+            torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "step": step, "log": asdict(log), "rng": rng.getstate(), "config": asdict(cfg)},
+                       state_path)
+        bar.set_postfix(loss=f"{loss_sum:.3f}", heldout_tau=f"{last_tau:.3f}")
+        bar.update(1)
+    bar.close()
+    log.wall_s = time.time() - t0
+    return log

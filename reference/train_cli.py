@@ -1,0 +1,98 @@
+"""`dflash-llama train`: build the dataset with the target itself, then train a draft on it.
+
+    dflash-llama train --target SmolLM2-135M-Instruct.Q4_1.gguf --out drafts/smollm2 \\
+        --layers 2 --block-size 8 --target-layer-ids 1,8,14,20,27 --epochs 4
+
+Both stages resume where they stopped: run the same command again after an interruption.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target model (GGUF)")
+    p.add_argument("--out", required=True, type=Path, help="output folder for the draft (HF format)")
+    p.add_argument("--data", type=Path, help="dataset folder (default: OUT/data); built if missing")
+    p.add_argument("--prompts", type=int, default=0, help="number of training prompts (default: all)")
+    p.add_argument("--packages", default="", help="installed packages to take prompts from, besides the "
+                   "standard library (comma-separated)")
+    p.add_argument("--max-new-tokens", type=int, default=192, help="target response length per prompt")
+    p.add_argument("--layers", type=int, default=2, help="draft layers")
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--target-layer-ids", default="", help="target layers the draft reads, e.g. 1,8,14,20,27 "
+                   "(default: the published rule for --layers)")
+    p.add_argument("--mask-token-id", type=int, default=0)
+    p.add_argument("--ffn", type=int, default=0, help="draft MLP width (default: the target's)")
+    p.add_argument("--epochs", type=float, default=4.0)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
+    p.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
+    p.add_argument("--vocab-subset", type=int, default=8192,
+                   help="tokens in the loss's vocabulary (0: all; the held-out estimate always uses all)")
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all)")
+
+
+def main(args: argparse.Namespace) -> int:
+    import dflash_llama
+    from dflash_llama.runtime import Runtime
+
+    from .model import default_target_layer_ids
+    from .train import TrainConfig, train
+    from .train_data import DatasetSpec, build_dataset, code_prompts
+
+    target = Path(args.target)
+    if target.is_dir():
+        print("dflash-llama train: error: training reads the target through llama.cpp: give its GGUF "
+              "(convert an HF directory with llama.cpp's convert_hf_to_gguf.py first)", file=sys.stderr)
+        return 2
+    try:
+        info = dflash_llama.gguf_info(target)
+    except ValueError as e:
+        print(f"dflash-llama train: error: {e}", file=sys.stderr)
+        return 1
+    n_layers = int(info.block_count)
+    if args.target_layer_ids:
+        try:
+            layer_ids = [int(x) for x in args.target_layer_ids.split(",")]
+        except ValueError:
+            print(f"dflash-llama train: error: --target-layer-ids must be integers, got {args.target_layer_ids!r}",
+                  file=sys.stderr)
+            return 2
+    else:
+        layer_ids = default_target_layer_ids(n_layers, args.layers)
+    bad = [i for i in layer_ids if not 0 <= i < n_layers]
+    if bad:
+        print(f"dflash-llama train: error: target layer {bad[0]} is outside the target's {n_layers} layers",
+              file=sys.stderr)
+        return 2
+    if args.block_size < 2:
+        print("dflash-llama train: error: --block-size must be at least 2", file=sys.stderr)
+        return 2
+
+    data = args.data or args.out / "data"
+    prompts = code_prompts(limit=args.prompts or None, seed=args.seed,
+                           packages=[p for p in args.packages.split(",") if p])
+    spec = DatasetSpec(target=str(target), layer_ids=layer_ids, max_new_tokens=args.max_new_tokens,
+                       n_ctx=1024)
+    rt = Runtime(target, None, n_threads=args.threads, n_ctx=spec.n_ctx, n_batch=512)
+    build_dataset(rt, prompts, data, spec)
+    del rt
+
+    cfg = TrainConfig(target_layer_ids=layer_ids, layers=args.layers, block_size=args.block_size,
+                      mask_token_id=args.mask_token_id, ffn=args.ffn, epochs=args.epochs, lr=args.lr,
+                      batch=args.batch, anchors=args.anchors, vocab_subset=args.vocab_subset,
+                      eval_every=args.eval_every, seed=args.seed)
+    log = train(data, target, args.out, cfg, threads=args.threads)
+    summary = {"steps": log.steps[-1] if log.steps else 0, "final_loss": log.loss[-1] if log.loss else None,
+               "heldout_tau": log.heldout_tau[-1][1] if log.heldout_tau else None, "wall_s": round(log.wall_s, 1)}
+    (args.out / "train_log.json").write_text(json.dumps({**summary, "loss": log.loss,
+                                                         "heldout_tau_curve": log.heldout_tau}, indent=1))
+    print(json.dumps(summary))
+    return 0

