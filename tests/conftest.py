@@ -100,3 +100,10 @@ def pinned_draft_ggufs(reference_drafts, tiny_target_hf, tmp_path_factory) -> di
                                        "--outtype", "f32"])
         out[name] = path
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_constant_draft_hf(smollm2_gguf, tmp_path_factory) -> Path:
+    """A draft for SmolLM2 (GGUF only, no HF dir) that always proposes " ha": accepted on "ha ha ha"."""
+    return fixtures.constant_draft_hf(tmp_path_factory.mktemp("smollm2_draft") / "ha-draft",
+                                      smollm2_gguf, "Ġha")

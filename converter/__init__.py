@@ -1,0 +1,9 @@
+"""dflash_llama.converter: Hugging Face DFlash draft checkpoints -> GGUF for the pinned llama.cpp.
+
+`gguf_layout` is the one table of DFlash GGUF keys and tensor names; `convert` writes it.
+"""
+
+from .checkpoint import ConversionError
+from .conversion import OUTTYPES, convert
+
+__all__ = ["ConversionError", "OUTTYPES", "convert"]

@@ -1,0 +1,294 @@
+"""HF DFlash draft -> GGUF, in the layout the pinned llama.cpp reads (see gguf_layout.py).
+
+Reads like a llama.cpp conversion class: check everything first (`make_plan`), then write the
+keys, the target's tokenizer and the tensors mapped by the table (`write_gguf`). The values are those of the pinned `convert_hf_to_gguf.py` bit for bit
+(f32/f16/bf16) and q8_0 byte for byte: same widening to float32, same gguf-py quantisers, same
+rule for which tensors stay f32.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter, LlamaFileType
+
+from . import gguf_layout as L
+from .checkpoint import (ConversionError, DraftConfig, SourceTensor, default_target_layer_ids,
+                         parse_config, read_config, read_tensors)
+from .target import TargetInfo, TokenizerField, read_target
+
+log = logging.getLogger("dflash_llama.converter")
+
+# --outtype -> (type of quantisable tensors, general.file_type), written by us
+NATIVE_OUTTYPES = {
+    "f32": (Q.F32, LlamaFileType.ALL_F32),
+    "f16": (Q.F16, LlamaFileType.MOSTLY_F16),
+    "bf16": (Q.BF16, LlamaFileType.MOSTLY_BF16),
+    "q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+}
+# --outtype handled by the pinned llama-quantize from an f32 conversion (types needing no imatrix)
+QUANTIZE_OUTTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l",
+                     "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs")
+OUTTYPES = ("auto", *NATIVE_OUTTYPES, *QUANTIZE_OUTTYPES)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything checked and decided before the output file is opened."""
+
+    draft_dir: Path
+    config: DraftConfig
+    target: TargetInfo
+    target_layer_ids: list[int]
+    tensors: list[tuple[str, SourceTensor]]  # (GGUF name, source), in writing order
+
+
+def convert(draft_dir: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike,
+            outtype: str = "auto") -> Path:
+    """Convert a DFlash draft checkpoint; `target` is the target's GGUF or HF directory.
+
+    Raises ConversionError for bad input. The output appears only when complete (written to a
+    temporary file in the same directory, then renamed); a failure leaves nothing behind.
+    """
+    if outtype not in OUTTYPES:
+        raise ConversionError(f"unknown outtype {outtype!r}; choose one of {', '.join(OUTTYPES)}")
+    out = Path(out)
+    if not out.parent.is_dir():
+        raise ConversionError(f"output directory {out.parent} does not exist")
+    plan = make_plan(Path(draft_dir), target)
+    if outtype == "auto":
+        outtype = _guess_outtype(plan)
+    if outtype in NATIVE_OUTTYPES:
+        with _atomic(out) as tmp:
+            write_gguf(plan, tmp, outtype)
+    else:
+        with _atomic(out) as tmp:
+            f32 = tmp.with_suffix(".f32.tmp")
+            try:
+                write_gguf(plan, f32, "f32")
+                _llama_quantize(f32, tmp, outtype)
+            finally:
+                f32.unlink(missing_ok=True)
+    return out
+
+
+# --- checks ---------------------------------------------------------------------------------------
+
+def make_plan(draft_dir: Path, target: str | os.PathLike) -> Plan:
+    where = str(draft_dir / "config.json")
+    cfg = parse_config(read_config(draft_dir), where)
+    if (draft_dir / "mask_embedding.pt").exists():
+        raise ConversionError(f"{draft_dir}: drafts with their own mask_embedding.pt are not supported yet")
+    tensors = read_tensors(draft_dir)
+    tgt = read_target(target)
+
+    if cfg.hidden != tgt.hidden:
+        raise ConversionError(f"hidden size mismatch: the draft has hidden_size {cfg.hidden}, "
+                              f"the target {tgt.path} has {tgt.hidden}")
+    if cfg.vocab_size is not None and cfg.vocab_size != tgt.vocab:
+        raise ConversionError(f"vocab size mismatch: the draft has vocab_size {cfg.vocab_size}, "
+                              f"the target {tgt.path} has {tgt.vocab} tokens")
+    if cfg.mask_token_id >= tgt.vocab:
+        raise ConversionError(f"mask_token_id {cfg.mask_token_id} is outside the target's vocabulary "
+                              f"of {tgt.vocab} tokens")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != tgt.n_layer:
+        raise ConversionError(f"target depth mismatch: the draft was made for a target with "
+                              f"{cfg.num_target_layers} layers (num_target_layers), "
+                              f"{tgt.path} has {tgt.n_layer}")
+    ids = cfg.target_layer_ids
+    if ids is None:
+        ids = default_target_layer_ids(cfg.num_target_layers or tgt.n_layer, cfg.n_layer)
+    bad = [i for i in ids if not 0 <= i < tgt.n_layer]
+    if bad:
+        raise ConversionError(f"target layer id {bad[0]} is out of range: the target {tgt.path} has "
+                              f"{tgt.n_layer} layers (valid ids 0..{tgt.n_layer - 1})")
+
+    if tgt.n_layer - 1 in ids:
+        log.warning("target layer id %d is the target's last layer: the pinned llama.cpp captures the "
+                    "input of layer id + 1, which does not exist, and its draft-dflash aborts on this "
+                    "file (\"layer input tensor is null\")", tgt.n_layer - 1)
+
+    dims = {"n_embd": cfg.hidden, "n_taps": len(ids), "n_head": cfg.n_head, "n_head_kv": cfg.n_head_kv,
+            "head_dim": cfg.head_dim, "n_ff": cfg.n_ff, "n_vocab": tgt.vocab}
+    return Plan(draft_dir, cfg, tgt, list(ids), _map_tensors(cfg, tensors, dims, draft_dir))
+
+
+def _map_tensors(cfg: DraftConfig, tensors: dict[str, SourceTensor], dims: dict[str, int],
+                 draft_dir: Path) -> list[tuple[str, SourceTensor]]:
+    mapped = []
+    for hf_name, src in tensors.items():
+        hit = L.gguf_tensor_name(hf_name)
+        if hit is None:
+            raise ConversionError(f"{draft_dir}: unexpected tensor {hf_name!r}: not part of a DFlash 1 draft")
+        name, spec = hit
+        layer = L.layer_index(name)
+        if layer is not None and layer >= cfg.n_layer:
+            raise ConversionError(f"{draft_dir}: tensor {hf_name!r} is beyond num_hidden_layers = {cfg.n_layer}")
+        want = tuple(reversed(L.expected_shape(spec, dims)))  # PyTorch order
+        if src.shape != want:
+            hint = (" (fc input must be len(target_layer_ids) * hidden_size)" if name == "fc.weight" else "")
+            raise ConversionError(f"{draft_dir}: tensor {hf_name!r} has shape {list(src.shape)}, "
+                                  f"config.json implies {list(want)}{hint}")
+        mapped.append((name, src))
+    have = {name for name, _ in mapped}
+    for spec in L.TENSORS:
+        if not spec.required:
+            continue
+        for bid in range(cfg.n_layer) if "{bid}" in spec.gguf else [None]:
+            name = spec.gguf.format(bid=bid)
+            if name not in have:
+                raise ConversionError(f"{draft_dir}: missing tensor {spec.hf.format(bid=bid)!r} ({name})")
+    return mapped
+
+
+def _guess_outtype(plan: Plan) -> str:
+    """Like the pinned converter's "auto": the 16-bit type of the first matrix, else f16."""
+    for _, src in plan.tensors:
+        if len(src.shape) >= 2:
+            return {"BF16": "bf16", "F16": "f16"}.get(src.dtype, "f16")
+    return "f16"
+
+
+# --- writing --------------------------------------------------------------------------------------
+
+def metadata(plan: Plan, file_type: int) -> list[tuple[str, object]]:
+    """The model keys in the order the pinned converter writes them (after general.*, before the
+    tokenizer)."""
+    cfg = plan.config
+    kv: list[tuple[str, object]] = [
+        (L.BLOCK_COUNT, cfg.n_layer),
+        (L.CONTEXT_LENGTH, cfg.context_length),
+        (L.EMBEDDING_LENGTH, cfg.hidden),
+        (L.FEED_FORWARD_LENGTH, cfg.n_ff),
+        (L.HEAD_COUNT, cfg.n_head),
+        (L.HEAD_COUNT_KV, cfg.n_head_kv),
+    ]
+    if cfg.causal_from_is_causal_false:  # the pinned base class writes this one early
+        kv.append((L.CAUSAL, False))
+    if cfg.rope_linear_factor is not None:
+        kv += [(L.ROPE_SCALING_TYPE, "linear"), (L.ROPE_SCALING_FACTOR, cfg.rope_linear_factor)]
+    kv += [
+        (L.ROPE_FREQ_BASE, cfg.rope_theta),
+        (L.RMS_EPS, cfg.rms_eps),
+        (L.KEY_LENGTH, cfg.head_dim),
+        (L.VALUE_LENGTH, cfg.head_dim),
+        (L.GENERAL_FILE_TYPE, file_type),
+    ]
+    if cfg.partial_rotary_factor is not None:
+        kv.append((L.ROPE_DIMENSION_COUNT, int(cfg.head_dim * cfg.partial_rotary_factor)))
+    if cfg.attention_value_scale is not None:
+        kv.append((L.VALUE_SCALE, cfg.attention_value_scale))
+    kv.append((L.BLOCK_SIZE, cfg.block_size))
+    if cfg.output_multiplier is not None:
+        kv.append((L.LOGIT_SCALE, cfg.output_multiplier))
+    if cfg.final_logit_softcapping is not None:
+        kv.append((L.FINAL_LOGIT_SOFTCAPPING, cfg.final_logit_softcapping))
+    if cfg.input_embedding_scale is not None:
+        kv.append((L.EMBEDDING_SCALE, cfg.input_embedding_scale))
+    kv.append((L.TARGET_LAYERS, L.target_layers_from_ids(plan.target_layer_ids)))
+    if cfg.sliding_window is not None:
+        kv += [(L.SLIDING_WINDOW, cfg.sliding_window), (L.SLIDING_WINDOW_PATTERN, cfg.sliding_window_pattern)]
+    if cfg.causal is not None and not cfg.causal_from_is_causal_false:
+        kv.append((L.CAUSAL, cfg.causal))
+    if plan.target.uses_mrope:  # the draft ropes on the temporal section only
+        kv.append((L.ROPE_DIMENSION_SECTIONS, [cfg.head_dim // 2, 0, 0, 0]))
+    kv.append((L.GENERAL_QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION))
+    return kv
+
+
+def tensor_data(name: str, src: SourceTensor, cfg: DraftConfig, qtype: Q) -> tuple[np.ndarray, Q]:
+    """One tensor as written: widened to float32, reordered if needed, then stored as `qtype`
+    unless the pinned converter keeps it f32; q8_0 falls back to f16 on rows not a multiple of 32."""
+    data = src.load_f32()
+    bid = L.layer_index(name)
+    if not cfg.rope_is_neox and bid is not None and name in {t.format(bid=bid) for t in L.ROPE_PERMUTED}:
+        # interleaved RoPE pairs (2i, 2i+1) -> NeoX halves: per head, even dims first, then odd
+        shape = data.shape
+        data = data.reshape(-1, cfg.head_dim // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+    if L.stays_f32(name, data.ndim):
+        qtype = Q.F32
+    try:
+        return gguf.quants.quantize(data, qtype), qtype
+    except gguf.QuantError:
+        return gguf.quants.quantize(data, Q.F16), Q.F16
+
+
+def write_gguf(plan: Plan, path: Path, outtype: str) -> None:
+    qtype, file_type = NATIVE_OUTTYPES[outtype]
+    tokenizer: list[TokenizerField] = plan.target.tokenizer_fields()
+
+    writer = GGUFWriter(path=None, arch=L.ARCH)  # writes general.architecture = "dflash"
+    writer.add_key_value(L.GENERAL_TYPE, "model", L.STR)
+    # general.name, size_label, license...: gguf-py's model-card reader, as the pinned converter
+    n_params = sum(math.prod(src.shape) for _, src in plan.tensors)
+    card = gguf.Metadata.load(None, plan.draft_dir.resolve(), None, n_params)
+    card.name = card.name or plan.draft_dir.resolve().name
+    card.size_label = card.size_label or gguf.size_label(n_params, 0, 0, 0)
+    card.set_gguf_meta_model(writer)
+    for key, value in metadata(plan, int(file_type)):
+        _add(writer, key, value)
+    for f in tokenizer:
+        if f.key != L.MASK_TOKEN_ID:  # the draft's own MASK wins over a target's
+            writer.add_key_value(f.key, f.value, f.type, f.element)
+    _add(writer, L.MASK_TOKEN_ID, plan.config.mask_token_id)
+
+    for name, src in plan.tensors:
+        data, stored_as = tensor_data(name, src, plan.config, qtype)
+        writer.add_tensor(name, data, raw_dtype=stored_as)
+
+    writer.write_header_to_file(path=path)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _add(writer: GGUFWriter, key: str, value) -> None:
+    spec = L.KEY[key]
+    if spec.type == L.ARR:
+        writer.add_key_value(key, list(value), spec.type, spec.element)
+    else:
+        writer.add_key_value(key, value, spec.type)
+
+
+class _atomic:
+    """A temporary path next to `final`, renamed onto it on success and removed on failure."""
+
+    def __init__(self, final: Path):
+        self.final = final
+
+    def __enter__(self) -> Path:
+        fd, name = tempfile.mkstemp(dir=self.final.parent, prefix=f".{self.final.name}.", suffix=".tmp")
+        os.close(fd)
+        self.tmp = Path(name)
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None and self.tmp.exists():
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(self.tmp, 0o666 & ~umask)  # mkstemp makes it private; give it a normal file's mode
+            os.replace(self.tmp, self.final)
+        else:
+            self.tmp.unlink(missing_ok=True)
+
+
+def _llama_quantize(src: Path, dst: Path, outtype: str) -> None:
+    from dflash_llama import paths
+
+    try:
+        tool = paths.tool("llama-quantize")
+    except (FileNotFoundError, ImportError) as e:
+        raise ConversionError(f"--outtype {outtype} needs the pinned llama-quantize: {e}") from e
+    result = subprocess.run([str(tool), str(src), str(dst), outtype.upper()], capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
+        raise ConversionError(f"llama-quantize {outtype.upper()} failed: {tail}")
