@@ -208,8 +208,11 @@ class DraftLayer(nn.Module):
                 visible &= kp - qp < self.window
         return visible
 
-    def forward(self, x, ctx_k, ctx_v, ctx_pos, blk_pos, blk_cos, blk_sin, trace=None):
-        """x: [B, H] block hidden states; ctx_k, ctx_v: [T, n_kv, D] all context K/V (cache + new)."""
+    def forward(self, x, ctx_k, ctx_v, ctx_pos, blk_pos, blk_cos, blk_sin, trace=None, attn_mask=None):
+        """x: [B, H] block hidden states; ctx_k, ctx_v: [T, n_kv, D] all context K/V (cache + new).
+
+        attn_mask: [B, T + B] bool (True = visible) replacing the layer's own rule; the trainer
+        packs many blocks into one call and gives each its own view of the context."""
         il, a = self.il, self.self_attn
         h = self.input_layernorm(x)
         q = apply_rope(a.q_norm(a.q_proj(h).view(-1, self.n_head, self.head_dim)), blk_cos, blk_sin)
@@ -224,7 +227,7 @@ class DraftLayer(nn.Module):
         values = torch.cat([ctx_v, v]).transpose(0, 1)
         rep = self.n_head // self.n_kv  # GQA: query head i reads kv head i // rep
         keys, values = keys.repeat_interleave(rep, 0), values.repeat_interleave(rep, 0)
-        mask = self.attention_mask(blk_pos, torch.cat([ctx_pos, blk_pos]))
+        mask = attn_mask if attn_mask is not None else self.attention_mask(blk_pos, torch.cat([ctx_pos, blk_pos]))
         attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
                                               scale=self.head_dim ** -0.5)
         attn = attn.transpose(0, 1).reshape(x.shape[0], -1)  # [B, n_head * D]
