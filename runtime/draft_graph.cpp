@@ -98,7 +98,7 @@ ggml_tensor * draft_runner::rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_t
 ggml_tensor * draft_runner::rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const {
     const draft_hparams & hp = draft_.hparams;
     return ggml_rope_ext(ctx, x, pos, nullptr, hp.head_dim, GGML_ROPE_TYPE_NEOX, 0,
-                         hp.rope_freq_base, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
+                         hp.rope_freq_base, hp.rope_freq_scale, 0.0f, 1.0f, 0.0f, 0.0f);
 }
 
 // Visibility as in the published model: block query i sits at position n_kv - n_block + i; key j

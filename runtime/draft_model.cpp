@@ -112,10 +112,30 @@ draft_hparams read_hparams(const gguf_context * ctx, const std::string & path) {
     hp.n_head      = kv.u32("dflash.attention.head_count");
     hp.n_head_kv   = kv.u32("dflash.attention.head_count_kv");
     hp.head_dim    = kv.u32_or("dflash.attention.key_length", hp.n_head > 0 ? hp.n_embd / hp.n_head : 0);
+    if (kv.u32_or("dflash.attention.value_length", hp.head_dim) != hp.head_dim ||
+        kv.u32_or("dflash.rope.dimension_count", hp.head_dim) != hp.head_dim) {
+        fail(path, "value_length or rope.dimension_count different from key_length is not supported yet");
+    }
     hp.n_ff        = kv.u32("dflash.feed_forward_length");
     hp.n_ctx_train = kv.u32_or("dflash.context_length", 0);
     hp.block_size  = kv.u32_or("dflash.block_size", 16);
     hp.rope_freq_base  = kv.f32_or("dflash.rope.freq_base", 10000.0f);
+    const int64_t scaling_id = kv.find("dflash.rope.scaling.type");
+    const std::string scaling = scaling_id >= 0 ? gguf_get_val_str(ctx, scaling_id) : "none";
+    if (scaling == "linear") {
+        const float factor = kv.f32_or("dflash.rope.scaling.factor", 1.0f);
+        if (!(factor > 0.0f)) {
+            fail(path, "dflash.rope.scaling.factor must be > 0, got " + std::to_string(factor));
+        }
+        hp.rope_freq_scale = 1.0f / factor;
+    } else if (scaling != "none") {
+        fail(path, "RoPE scaling '" + scaling + "' is not supported (only none and linear)");
+    }
+    for (const char * key : { "dflash.attention.value_scale", "dflash.attention.scale", "dflash.rope.dimension_sections" }) {
+        if (kv.find(key) >= 0) {
+            fail(path, std::string("'") + key + "' is not supported by this runtime yet");
+        }
+    }
     hp.rms_eps         = kv.f32("dflash.attention.layer_norm_rms_epsilon");
     hp.embedding_scale = kv.f32_or("dflash.embedding_scale", 1.0f);
     hp.logit_scale     = kv.f32_or("dflash.logit_scale", 1.0f);

@@ -25,6 +25,7 @@ struct draft_hparams {
     int32_t block_size = 0;
     int32_t n_ctx_train = 0;
     float   rope_freq_base = 10000.0f;
+    float   rope_freq_scale = 1.0f;         // linear RoPE scaling: 1 / dflash.rope.scaling.factor
     float   rms_eps        = 1e-6f;
     float   embedding_scale = 1.0f;     // dflash.embedding_scale (input_embedding_scale)
     float   logit_scale     = 1.0f;     // dflash.logit_scale (output_multiplier)

@@ -106,11 +106,14 @@ bool target_runner::on_eval(ggml_tensor * t, bool ask, void * user_data) {
     if (self->tap_names_.empty()) {
         return ask ? false : true;
     }
-    const int32_t k = self->tap_of(ggml_get_name(t));
+    const char * name = ggml_get_name(t);
     if (ask) {
-        return k >= 0;
+        return self->tap_of(name) >= 0;
     }
-    if (k >= 0) {
+    for (size_t k = 0; k < self->tap_names_.size(); ++k) {  // a layer may be tapped more than once
+        if (self->tap_names_[k] != name) {
+            continue;
+        }
         if (t->type != GGML_TYPE_F32 || t->ne[0] != self->n_embd_ || !ggml_is_contiguous(t)) {
             return false;  // not the tensor we expect: abort the compute rather than read garbage
         }

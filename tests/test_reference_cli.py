@@ -68,11 +68,25 @@ def test_no_draft_is_plain_target_decoding(capsys, reference_target):
     assert "[reference] 6 tokens, 5 steps, tau 1.000" in err
 
 
-def test_runtime_engine_is_not_built_yet(capsys, tiny_draft_hf, tiny_target_hf):
+def test_runtime_engine_same_schema_and_tokens(capsys, tiny_draft_hf, tiny_target_hf, tiny_target_gguf):
+    common = ["--draft", tiny_draft_hf, "-p", "def fibonacci(n):", "-n", 12, "--json"]
+    rc, out, err = run(capsys, "--engine", "runtime", "--target", tiny_target_gguf, "--kv-f32", *common)
+    assert rc == 0, err
+    runtime = json.loads(out)
+    rc, out, err = run(capsys, "--engine", "reference", "--target", tiny_target_hf, *common)
+    assert rc == 0, err
+    reference = json.loads(out)
+    assert set(reference) <= set(runtime)
+    assert runtime["prompt_ids"] == reference["prompt_ids"]  # same tokenisation
+    assert runtime["tokens"] == reference["tokens"]  # f32 target: the engines agree token for token
+    assert [s["drafted"] for s in runtime["steps"]] == [s["drafted"] for s in reference["steps"]]
+
+
+def test_runtime_engine_needs_a_gguf_target(capsys, tiny_draft_hf, tiny_target_hf):
     rc, out, err = run(capsys, "--engine", "runtime", "--target", tiny_target_hf, "--draft",
                        tiny_draft_hf, "-p", "hello", "-n", 4, "--json")
-    assert (rc, out) == (2, "")
-    assert err == "dflash-llama generate: --engine runtime is not built yet\n"
+    assert (rc, out) == (1, "")
+    assert "--engine runtime reads the target through llama.cpp: give a .gguf" in err
 
 
 @pytest.mark.parametrize("args, rc, message", [

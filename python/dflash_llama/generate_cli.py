@@ -39,6 +39,10 @@ class GenerateRequest:
     top_k: int = 0
     seed: int = 0
     ignore_eos: bool = False
+    draft_max: int | None = None  # runtime: verify at most this many drafted tokens
+    threads: int = 0  # runtime: CPU threads, 0 = all
+    n_ctx: int = 4096  # runtime: context size
+    kv_f32: bool = False  # runtime: f32 KV cache, no flash attention (for comparisons with the reference)
 
     def __post_init__(self):  # cheap checks before any engine loads a model
         if self.max_tokens < 1:
@@ -51,6 +55,8 @@ class GenerateRequest:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"--top-k must be >= 0, got {self.top_k}")
+        if self.draft_max is not None and self.draft_max < 1:
+            raise ValueError(f"--draft-max must be >= 1, got {self.draft_max}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation")
+    p.add_argument("--draft-max", type=int, help="runtime: verify at most N drafted tokens per step")
+    p.add_argument("-t", "--threads", type=int, default=0, help="runtime: CPU threads (default: all)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="runtime: context size (default 4096)")
+    p.add_argument("--kv-f32", action="store_true",
+                   help="runtime: f32 KV cache and no flash attention, to compare with the reference in f32")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -108,7 +119,35 @@ def _run_reference(req: GenerateRequest) -> dict:
 
 
 def _run_runtime(req: GenerateRequest) -> dict:
-    raise EngineUnavailable("--engine runtime is not built yet")
+    import tempfile
+    from pathlib import Path
+
+    from .runtime import Runtime
+
+    if Path(req.target).is_dir():
+        raise ValueError(f"--engine runtime reads the target through llama.cpp: give a .gguf, not the "
+                         f"directory {req.target}")
+    with tempfile.TemporaryDirectory(prefix="dflash-llama-") as tmp:
+        draft = req.draft
+        if draft is not None and Path(draft).is_dir():  # an HF checkpoint: convert it for this run
+            from .converter import convert
+
+            draft = str(convert(draft, req.target, Path(tmp) / "draft-f32.gguf", outtype="f32"))
+        rt = Runtime(req.target, draft, n_threads=req.threads, n_ctx=req.n_ctx, kv_f32=req.kv_f32)
+        prompt_ids = req.prompt_ids if req.prompt_ids is not None else rt.tokenize(req.prompt_text)
+        kw = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+                  stop_at_eog=not req.ignore_eos)
+        if draft is None:
+            result = rt.autoregressive(prompt_ids, req.max_tokens, **kw)
+        else:
+            result = rt.generate(prompt_ids, req.max_tokens, block_size=req.block_size,
+                                 draft_max=req.draft_max, **kw)
+    out = result.to_json()
+    if draft is None:  # the shared schema: one step per target decode after the first token
+        out["steps"] = [{"drafted": [], "accepted": 0, "produced": 1}] * (len(result.tokens) - 1)
+        out["tau"] = 1.0 if out["steps"] else 0.0
+    out["prompt_ids"] = list(prompt_ids)
+    return out
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -142,6 +181,10 @@ def main(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
             ignore_eos=args.ignore_eos,
+            draft_max=args.draft_max,
+            threads=args.threads,
+            n_ctx=args.ctx_size,
+            kv_f32=args.kv_f32,
         )
         t0 = time.perf_counter()
         out = run_engine(args.engine, req)
