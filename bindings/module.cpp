@@ -101,7 +101,7 @@ NB_MODULE(_core, m) {
     nb::class_<dflash::engine>(m, "Engine")
         .def("__init__", [](dflash::engine * self, const std::string & target, const std::string & draft,
                             int32_t n_threads, int32_t n_ctx, int32_t n_batch, int32_t n_gpu_layers, bool kv_f32,
-                            bool verbose) {
+                            int32_t n_seq, bool verbose) {
                  dflash::engine_params p;
                  p.target.path = target;
                  p.target.n_threads = n_threads;
@@ -109,12 +109,13 @@ NB_MODULE(_core, m) {
                  p.target.n_batch = n_batch;
                  p.target.n_gpu_layers = n_gpu_layers;
                  p.target.kv_f32 = kv_f32;
+                 p.target.n_seq = n_seq;
                  p.draft_path = draft;
                  p.verbose = verbose;
                  nb::gil_scoped_release release;
                  new (self) dflash::engine(p);
              },
-             "target"_a, "draft"_a, "n_threads"_a, "n_ctx"_a, "n_batch"_a, "n_gpu_layers"_a, "kv_f32"_a, "verbose"_a)
+             "target"_a, "draft"_a, "n_threads"_a, "n_ctx"_a, "n_batch"_a, "n_gpu_layers"_a, "kv_f32"_a, "n_seq"_a, "verbose"_a)
         .def_prop_ro("has_draft", &dflash::engine::has_draft)
         .def_prop_ro("n_ctx", [](dflash::engine & e) { return e.target().n_ctx(); })
         .def_prop_ro("n_vocab", [](dflash::engine & e) { return e.target().n_vocab(); })
@@ -144,6 +145,20 @@ NB_MODULE(_core, m) {
                  nb::gil_scoped_release release;
                  return e.autoregressive(prompt, p, on_tokens);
              }, "prompt"_a, "params"_a, "on_tokens"_a.none() = nb::none())
+        .def("autoregressive_batch", [](dflash::engine & e, const std::vector<std::vector<int32_t>> & prompts,
+                                        const dflash::generate_params & p) {
+                 nb::gil_scoped_release release;
+                 return e.autoregressive_batch(prompts, p);
+             }, "prompts"_a, "params"_a)
+        .def("target_logits", [](dflash::engine & e, const std::vector<int32_t> & tokens, bool one_at_a_time,
+                                 int32_t n_prefill) {
+                 std::vector<float> out;
+                 {
+                     nb::gil_scoped_release release;
+                     out = e.target_logits(tokens, one_at_a_time, n_prefill);
+                 }
+                 return to_numpy(std::move(out), { tokens.size(), (size_t) e.target().n_vocab() });
+             }, "tokens"_a, "one_at_a_time"_a, "n_prefill"_a)
         .def("capture", [](dflash::engine & e, const std::vector<int32_t> & tokens, const std::vector<int32_t> & layer_ids) {
                  std::vector<float> out;
                  {

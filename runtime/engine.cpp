@@ -4,6 +4,7 @@
 
 #include "ggml-backend.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace dflash {
@@ -48,6 +49,40 @@ generate_result engine::generate(const std::vector<int32_t> & prompt, const gene
 generate_result engine::autoregressive(const std::vector<int32_t> & prompt, const generate_params & params,
                                        const token_callback & on_tokens) {
     return generate_autoregressive(*target_, prompt, params, on_tokens);
+}
+
+std::vector<generate_result> engine::autoregressive_batch(const std::vector<std::vector<int32_t>> & prompts,
+                                                          const generate_params & params) {
+    return generate_autoregressive_batch(*target_, prompts, params);
+}
+
+std::vector<float> engine::target_logits(const std::vector<int32_t> & tokens, bool one_at_a_time, int32_t n_prefill) {
+    const int32_t n = (int32_t) tokens.size();
+    if (n == 0) {
+        throw std::invalid_argument("target_logits of an empty token list");
+    }
+    const size_t n_vocab = (size_t) target_->n_vocab();
+    std::vector<float> out((size_t) n * n_vocab);
+    target_->rollback(0);
+    target_->set_capture({});
+    if (!one_at_a_time) {
+        target_->decode(tokens.data(), n, 0, /*all_logits=*/true);
+        for (int32_t i = 0; i < n; ++i) {
+            std::copy_n(target_->logits(i), n_vocab, out.data() + (size_t) i * n_vocab);
+        }
+    } else {
+        n_prefill = std::max(1, std::min(n_prefill, n));
+        target_->decode(tokens.data(), n_prefill, 0, /*all_logits=*/true);
+        for (int32_t i = 0; i < n_prefill; ++i) {
+            std::copy_n(target_->logits(i), n_vocab, out.data() + (size_t) i * n_vocab);
+        }
+        for (int32_t i = n_prefill; i < n; ++i) {
+            target_->decode(&tokens[i], 1, i, false);
+            std::copy_n(target_->logits(0), n_vocab, out.data() + (size_t) i * n_vocab);
+        }
+    }
+    target_->rollback(0);
+    return out;
 }
 
 std::vector<float> engine::capture(const std::vector<int32_t> & tokens, const std::vector<int32_t> & layer_ids) {

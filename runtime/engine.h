@@ -33,6 +33,15 @@ public:
     generate_result autoregressive(const std::vector<int32_t> & prompt, const generate_params & params,
                                    const token_callback & on_tokens = {});
 
+    // Plain decoding of many prompts side by side (needs target.n_seq > 1 for any gain).
+    std::vector<generate_result> autoregressive_batch(const std::vector<std::vector<int32_t>> & prompts,
+                                                      const generate_params & params);
+
+    // Target logits of every token ([n, n_vocab]): in one batched decode, or one token at a time
+    // (after a batched prefill of the first `n_prefill` tokens). Equal bit for bit when the build is
+    // exact (see CMakeLists.txt: DFLASH_LLAMA_SGEMM).
+    std::vector<float> target_logits(const std::vector<int32_t> & tokens, bool one_at_a_time, int32_t n_prefill);
+
     // Target features of `tokens` at the draft's target layers (or `layer_ids`): [n, n_taps * n_embd].
     std::vector<float> capture(const std::vector<int32_t> & tokens, const std::vector<int32_t> & layer_ids);
 

@@ -245,4 +245,86 @@ generate_result generate_autoregressive(target_runner & target, const std::vecto
     return res;
 }
 
+std::vector<generate_result> generate_autoregressive_batch(target_runner & target,
+                                                           const std::vector<std::vector<int32_t>> & prompts,
+                                                           const generate_params & params) {
+    const auto t_start = clock_type::now();
+    const int32_t n_vocab = target.n_vocab();
+    const stop_rule is_stop{target, params};
+    std::vector<generate_result> results(prompts.size());
+    std::vector<int32_t> max_length(prompts.size());
+    for (size_t i = 0; i < prompts.size(); ++i) {
+        max_length[i] = check_request(target, prompts[i], params);
+        results[i].stats.n_prompt = (int32_t) prompts[i].size();
+    }
+    if (prompts.empty()) return results;
+    for (const auto & p : prompts) {
+        if ((int32_t) p.size() > target.n_batch()) {
+            throw std::invalid_argument("batched generation needs prompts of at most n_batch (" +
+                                        std::to_string(target.n_batch()) + ") tokens, got " + std::to_string(p.size()));
+        }
+    }
+
+    struct slot { int32_t prompt = -1; int32_t pos = 0; bool prefilled = false; sampler rng{0}; };
+    std::vector<slot> slots(target.n_seq());
+    size_t next_prompt = 0;
+    auto fill = [&](slot & s, int32_t seq) {
+        s = slot{};
+        if (next_prompt < prompts.size()) {
+            s.prompt = (int32_t) next_prompt++;
+            s.rng = sampler(params.sampling.seed + (uint64_t) s.prompt);
+        }
+        target.rollback_seq(seq, 0);
+    };
+    for (int32_t k = 0; k < (int32_t) slots.size(); ++k) fill(slots[k], k);
+
+    std::vector<int32_t> tokens, positions, seqs, owner;
+    std::vector<bool> want;
+    while (true) {
+        // one decode: the whole prompt of each new sequence (while it fits), the last token of the others
+        tokens.clear(); positions.clear(); seqs.clear(); want.clear(); owner.clear();
+        for (int32_t k = 0; k < (int32_t) slots.size(); ++k) {
+            slot & s = slots[k];
+            if (s.prompt < 0) continue;
+            const auto & p = prompts[s.prompt];
+            if (!s.prefilled) {
+                if (tokens.size() + p.size() > (size_t) target.n_batch()) continue;  // next round
+                for (size_t j = 0; j < p.size(); ++j) {
+                    tokens.push_back(p[j]); positions.push_back((int32_t) j); seqs.push_back(k);
+                    want.push_back(j + 1 == p.size());
+                }
+                s.pos = (int32_t) p.size();
+            } else {
+                if (tokens.size() + 1 > (size_t) target.n_batch()) continue;
+                // the newest token sits at position s.pos (right after the sequence so far)
+                tokens.push_back(results[s.prompt].tokens.back()); positions.push_back(s.pos);
+                seqs.push_back(k); want.push_back(true);
+                s.pos += 1;
+            }
+            owner.push_back(k);
+        }
+        if (tokens.empty()) break;
+        target.decode_multi(tokens, positions, seqs, want);
+
+        for (size_t r = 0; r < owner.size(); ++r) {
+            const int32_t k = owner[r];
+            slot & s = slots[k];
+            s.prefilled = true;
+            generate_result & res = results[s.prompt];
+            const int32_t next = choose(target.logits((int32_t) r), n_vocab, params.sampling, s.rng);
+            res.tokens.push_back(next);
+            const int32_t length = res.stats.n_prompt + (int32_t) res.tokens.size();
+            const bool stopped = is_stop(next);
+            if (stopped || length >= max_length[s.prompt]) {
+                res.stats.n_generated = (int32_t) res.tokens.size();
+                res.stop_reason = stop_reason_for(length, max_length[s.prompt], stopped, target, prompts[s.prompt], params);
+                fill(s, k);
+            }
+        }
+    }
+    const double total = ms_since(t_start);
+    for (auto & r : results) r.stats.t_total_ms = total;
+    return results;
+}
+
 } // namespace dflash

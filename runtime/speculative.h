@@ -65,4 +65,11 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
 generate_result generate_autoregressive(target_runner & target, const std::vector<int32_t> & prompt,
                                         const generate_params & params, const token_callback & on_tokens = {});
 
+// Plain decoding of many prompts, target.n_seq() of them side by side (continuous batching: a
+// finished sequence's slot takes the next prompt). Sequence i samples with seed params.seed + i.
+// Results in prompt order; steps are empty and only the total time is measured.
+std::vector<generate_result> generate_autoregressive_batch(target_runner & target,
+                                                           const std::vector<std::vector<int32_t>> & prompts,
+                                                           const generate_params & params);
+
 } // namespace dflash

@@ -42,10 +42,15 @@ target_runner::target_runner(const target_params & params) {
     const int32_t n_threads = params.n_threads > 0 ? params.n_threads
                                                    : (int32_t) std::max(1u, std::thread::hardware_concurrency());
     llama_context_params cparams = llama_context_default_params();
-    cparams.n_ctx             = (uint32_t) params.n_ctx;
+    if (params.n_seq < 1) {
+        throw std::invalid_argument("n_seq must be at least 1, got " + std::to_string(params.n_seq));
+    }
+    n_seq_ = params.n_seq;
+    cparams.n_ctx             = (uint32_t) params.n_ctx * (uint32_t) params.n_seq;
     cparams.n_batch           = (uint32_t) params.n_batch;
     cparams.n_ubatch          = (uint32_t) params.n_batch;  // one graph per chunk: capture sees whole chunks
-    cparams.n_seq_max         = 1;
+    cparams.n_seq_max         = (uint32_t) params.n_seq;
+    cparams.kv_unified        = false;  // each sequence attends only to its own cells
     cparams.n_threads         = n_threads;
     cparams.n_threads_batch   = n_threads;
     cparams.no_perf           = true;
@@ -64,7 +69,7 @@ target_runner::target_runner(const target_params & params) {
                                  (why.empty() ? std::string() : " (" + why + ")"));
     }
     // llama.cpp may round the context up; the caller's size is the limit we honour
-    n_ctx_   = std::min((int32_t) llama_n_ctx(ctx_), params.n_ctx);
+    n_ctx_   = std::min((int32_t) llama_n_ctx_seq(ctx_), params.n_ctx);
     n_batch_ = (int32_t) llama_n_batch(ctx_);
 }
 
@@ -190,6 +195,52 @@ const float * target_runner::logits(int32_t i) const {
         throw std::out_of_range("logits row " + std::to_string(i) + " was not kept by the last decode");
     }
     return logits_.data() + (size_t) i * n_vocab_;
+}
+
+void target_runner::decode_multi(const std::vector<int32_t> & tokens, const std::vector<int32_t> & positions,
+                                 const std::vector<int32_t> & seq_ids, const std::vector<bool> & want_logits) {
+    const int32_t n = (int32_t) tokens.size();
+    if (n == 0 || n > n_batch_ || positions.size() != tokens.size() || seq_ids.size() != tokens.size() ||
+        want_logits.size() != tokens.size()) {
+        throw std::invalid_argument("decode_multi: 1..n_batch tokens with one position, sequence and logits flag each");
+    }
+    tap_names_.clear();
+    tap_rows_.clear();
+    llama_batch batch = llama_batch_init(n, 0, 1);
+    batch.n_tokens = n;
+    for (int32_t i = 0; i < n; ++i) {
+        if (seq_ids[i] < 0 || seq_ids[i] >= n_seq_ || positions[i] >= n_ctx_) {
+            llama_batch_free(batch);
+            throw std::invalid_argument("decode_multi: sequence " + std::to_string(seq_ids[i]) + " at position " +
+                                        std::to_string(positions[i]) + " is out of range");
+        }
+        batch.token[i]     = tokens[i];
+        batch.pos[i]       = positions[i];
+        batch.n_seq_id[i]  = 1;
+        batch.seq_id[i][0] = seq_ids[i];
+        batch.logits[i]    = want_logits[i];
+    }
+    clear_last_error();
+    const int32_t rc = llama_decode(ctx_, batch);
+    llama_batch_free(batch);
+    if (rc != 0) {
+        const std::string why = last_error();
+        throw std::runtime_error("llama_decode failed with code " + std::to_string(rc) +
+                                 (why.empty() ? std::string() : " (" + why + ")"));
+    }
+    logit_rows_.clear();
+    logits_.clear();
+    for (int32_t i = 0; i < n; ++i) {
+        if (want_logits[i]) {
+            const float * row = llama_get_logits_ith(ctx_, i);
+            logits_.insert(logits_.end(), row, row + n_vocab_);
+            logit_rows_.push_back(i);
+        }
+    }
+}
+
+void target_runner::rollback_seq(int32_t seq, int32_t pos) {
+    llama_memory_seq_rm(llama_get_memory(ctx_), seq, pos, -1);
 }
 
 void target_runner::rollback(int32_t pos) {

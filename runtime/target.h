@@ -20,6 +20,7 @@ struct target_params {
     int32_t n_threads    = 0;   // 0: all hardware threads
     int32_t n_gpu_layers = 0;
     bool    kv_f32       = false;  // f32 KV cache (parity runs); llama.cpp's default is f16
+    int32_t n_seq        = 1;      // sequences decoded side by side (batched generation); n_ctx is per sequence
 };
 
 class target_runner {
@@ -39,6 +40,13 @@ public:
 
     // Logits of token i of the last decode (i counts tokens with logits, in order).
     const float * logits(int32_t i) const;
+
+    // One decode of tokens from several sequences (n_seq > 1); logits(i) then gives the i-th token
+    // with want_logits set. Capture is switched off. Throws std::runtime_error if llama_decode fails.
+    void decode_multi(const std::vector<int32_t> & tokens, const std::vector<int32_t> & positions,
+                      const std::vector<int32_t> & seq_ids, const std::vector<bool> & want_logits);
+    void rollback_seq(int32_t seq, int32_t pos);
+    int32_t n_seq() const { return n_seq_; }
 
     // [n, n_taps * n_embd] row-major: features of the last decode's tokens, taps concatenated.
     const std::vector<float> & features() const { return features_; }
@@ -67,7 +75,7 @@ private:
     llama_model *       model_ = nullptr;
     llama_context *     ctx_   = nullptr;
     const llama_vocab * vocab_ = nullptr;
-    int32_t n_ctx_ = 0, n_batch_ = 0, n_embd_ = 0, n_vocab_ = 0, n_layer_ = 0;
+    int32_t n_ctx_ = 0, n_batch_ = 0, n_embd_ = 0, n_vocab_ = 0, n_layer_ = 0, n_seq_ = 1;
 
     std::vector<std::string> tap_names_;    // per tap: "l_out-L" or "result_norm"
     bool                     needs_all_rows_ = false;  // a result_norm tap: keep every row's output

@@ -6,6 +6,7 @@ import gzip
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import dflash_llama
@@ -126,3 +127,16 @@ def test_smollm2_target_random_draft(smollm2_gguf, smollm2_random_draft_gguf, bl
         ar = rt.autoregressive(prompt, 24)
         spec = rt.generate(prompt, 24, block_size=block)
         assert_same(spec, ar, f"SmolLM2 HumanEval prompt {block * 3 + j}, block {block}")
+
+
+@pytest.mark.parametrize("which", ["tiny_f32", "smollm2_q4_1"])
+def test_verify_logits_equal_decode_logits_bit_for_bit(which, tiny_target_gguf, smollm2_gguf):
+    """Why exactness holds by construction: a batched verify computes, for every position, the very
+    logits one-token decoding computes (the build keeps llamafile's sgemm off)."""
+    target = tiny_target_gguf if which == "tiny_f32" else smollm2_gguf
+    rt = dflash_llama.Runtime(target, n_threads=2, n_ctx=512)
+    tokens = rt.tokenize(humaneval_prompts(1)[0])[:48]
+    one = rt.target_logits(tokens, one_at_a_time=True, n_prefill=24)
+    for block in (2, 8, 16):  # verify-sized batches after a 24-token prefix
+        batched = np.concatenate([rt.target_logits(tokens[:24 + block])[24:]])
+        assert np.array_equal(batched, one[24:24 + block]), f"block {block}"

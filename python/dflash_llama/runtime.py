@@ -76,12 +76,13 @@ class Stream:
 class Runtime:
     def __init__(self, target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
                  n_threads: int = 0, n_ctx: int = 4096, n_batch: int = 512, n_gpu_layers: int = 0,
-                 kv_f32: bool = False, verbose: bool = False):
-        """kv_f32: keep the target's KV cache in f32 (llama.cpp's default is f16), for parity runs."""
+                 kv_f32: bool = False, n_seq: int = 1, verbose: bool = False):
+        """kv_f32: keep the target's KV cache in f32 (llama.cpp's default is f16), for parity runs.
+        n_seq: sequences `autoregressive_batch` decodes side by side (n_ctx is per sequence)."""
         from . import _core
 
         self._engine = _core.Engine(os.fspath(target), os.fspath(draft) if draft else "",
-                                    n_threads, n_ctx, n_batch, n_gpu_layers, kv_f32, verbose)
+                                    n_threads, n_ctx, n_batch, n_gpu_layers, kv_f32, n_seq, verbose)
         self._core = _core
         self._lock = threading.Lock()  # one sequence at a time
 
@@ -146,6 +147,18 @@ class Runtime:
                               stop_tokens, stop_at_eog)
         return self._run(self._engine.autoregressive, prompt, params, stream)
 
+    def autoregressive_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 128, *,
+                             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                             stop_tokens: Sequence[int] = (), stop_at_eog: bool = True) -> list[Generation]:
+        """Plain decoding of many prompts, `n_seq` at a time in one target decode (dataset building).
+
+        Greedy results equal `autoregressive` prompt by prompt; prompt i samples with seed + i."""
+        params = self._params(max_new_tokens, temperature, top_p, top_k, seed, None, None,
+                              stop_tokens, stop_at_eog)
+        token_lists = [self._prompt_tokens(p) for p in prompts]
+        with self._lock:
+            return [self._generation(r) for r in self._engine.autoregressive_batch(token_lists, params)]
+
     def capture(self, tokens: Sequence[int], layer_ids: Sequence[int] | None = None) -> np.ndarray:
         """Target features of `tokens`: float32 [n_tokens, n_taps * n_embd], taps concatenated.
 
@@ -154,6 +167,14 @@ class Runtime:
         ids = list(layer_ids) if layer_ids is not None else self.target_layer_ids
         with self._lock:
             return self._engine.capture(self._check_tokens(tokens), ids)
+
+    def target_logits(self, tokens: Sequence[int], one_at_a_time: bool = False,
+                      n_prefill: int = 1) -> np.ndarray:
+        """Target logits of every token, float32 [n_tokens, n_vocab]: from one batched decode (as a
+        verify computes them), or one token at a time after a batched prefill of `n_prefill`
+        tokens (as autoregressive decoding computes them)."""
+        with self._lock:
+            return self._engine.target_logits(self._check_tokens(tokens), one_at_a_time, int(n_prefill))
 
     def trace_draft(self, features: np.ndarray, block: Sequence[int]) -> dict[str, np.ndarray]:
         """Every named draft intermediate (float32, NumPy order) for context `features`
