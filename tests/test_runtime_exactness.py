@@ -140,3 +140,71 @@ def test_verify_logits_equal_decode_logits_bit_for_bit(which, tiny_target_gguf, 
     for block in (2, 8, 16):  # verify-sized batches after a 24-token prefix
         batched = np.concatenate([rt.target_logits(tokens[:24 + block])[24:]])
         assert np.array_equal(batched, one[24:24 + block]), f"block {block}"
+
+
+def chi2_pvalue(stat: float, dof: int) -> float:
+    import torch
+
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def chi2_goodness_of_fit(counts: dict, probs: dict) -> tuple[float, int, float]:
+    """Pearson's chi-square of observed counts against exact category probabilities: (stat, dof, p)."""
+    n = sum(counts.values())
+    assert set(counts) <= set(probs), "a sample fell outside the support of the distribution"
+    stat = sum((counts.get(c, 0) - n * q) ** 2 / (n * q) for c, q in probs.items())
+    dof = len(probs) - 1
+    return stat, dof, chi2_pvalue(stat, dof)
+
+
+def top_k_probs(logits: np.ndarray, k: int, temperature: float) -> dict[int, float]:
+    top = np.argsort(-logits, kind="stable")[:k]
+    z = logits[top].astype(np.float64) / temperature
+    w = np.exp(z - z.max())
+    return {int(t): float(x) for t, x in zip(top, w / w.sum())}
+
+
+def exact_two_token_distribution(rt, prompt: list[int], k: int, temperature: float) -> dict:
+    """P(t1, t2) of target-only sampling with top-k and temperature, from the target's logits."""
+    p1 = top_k_probs(rt.target_logits(prompt)[-1], k, temperature)
+    joint = {}
+    for t1, q1 in p1.items():
+        for t2, q2 in top_k_probs(rt.target_logits(prompt + [t1])[-1], k, temperature).items():
+            joint[t1, t2] = q1 * q2
+    return joint
+
+
+def test_sampling_is_lossless(tiny_target_gguf, tmp_path):
+    """Temperature 1, top-k 3: the first two tokens of DFlash sampling (one from the prefill, one
+    from a verify step where the draft is accepted or rejected) follow the target's exact joint
+    distribution, computed from its logits (chi-square goodness of fit, 2500 sequences = 5000
+    sampled tokens). The same samples reject temperature 0.5, so the test has the power to fail."""
+    import collections
+
+    import gguf
+
+    k = 3
+    target = dflash_llama.Runtime(tiny_target_gguf, n_threads=1, n_ctx=128)
+    prompt = target.tokenize("def fibonacci(n):")
+    exact = exact_two_token_distribution(target, prompt, k, 1.0)
+    # the draft always proposes the likeliest second token after the likeliest first one
+    t1_mode = max({t1 for t1, _ in exact}, key=lambda t1: sum(q for (a, _), q in exact.items() if a == t1))
+    proposal = max((t2 for a, t2 in exact if a == t1_mode), key=lambda t2: exact[t1_mode, t2])
+    names = gguf.GGUFReader(tiny_target_gguf).get_field("tokenizer.ggml.tokens").contents()
+    hf = fixtures.constant_draft_hf(tmp_path / "d", tiny_target_gguf, names[proposal],
+                                    fixtures.TinyDraftConfig(block_size=4))
+    rt = dflash_llama.Runtime(tiny_target_gguf, convert(hf, tiny_target_gguf, tmp_path / "d.gguf", outtype="f32"),
+                              n_threads=1, n_ctx=128)
+
+    counts, accepted, drafted = collections.Counter(), 0, 0
+    for seed in range(2500):
+        g = rt.generate(prompt, 2, temperature=1.0, top_k=k, seed=seed)
+        counts[tuple(g.tokens)] += 1
+        accepted += sum(s.accepted for s in g.steps)
+        drafted += sum(len(s.drafted) for s in g.steps)
+    assert 0.05 < accepted / drafted < 0.95, f"acceptance {accepted / drafted:.2f}: both paths must be exercised"
+    _, dof, p = chi2_goodness_of_fit(counts, exact)
+    assert dof == k * k - 1 and p > 1e-3, f"DFlash sampling differs from target sampling (p = {p:.2e})"
+    _, _, p_power = chi2_goodness_of_fit(counts, exact_two_token_distribution(target, prompt, k, 0.5))
+    assert p_power < 1e-6, f"the test cannot tell temperature 0.5 from 1 (p = {p_power:.2e})"
