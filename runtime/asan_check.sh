@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds llama-dflash-cli with AddressSanitizer (our runtime instrumented, llama.cpp as usual) in
+# build/asan, then runs full generations of the tiny fixture pair: greedy, sampled, a stop token, a
+# full context. Exits non-zero on any ASan report. Needs ./setup.sh done first (for the fixtures).
+#
+#   runtime/asan_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=build/asan
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDFLASH_LLAMA_SANITIZE=ON \
+      -DDFLASH_LLAMA_PYTHON=OFF -DPython_EXECUTABLE="$PWD/.venv/bin/python" > "$build.configure.log"
+cmake --build "$build" --target llama-dflash-cli
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+.venv/bin/python - "$work" <<'PY'
+import sys
+from pathlib import Path
+from dflash_llama import fixtures
+from dflash_llama.converter import convert
+w = Path(sys.argv[1])
+t = fixtures.tiny_target_hf(w / "t")
+tg = fixtures.tiny_target_gguf(t, w / "target.gguf")
+convert(fixtures.tiny_draft_hf(w / "d", t), tg, w / "draft.gguf", outtype="f32")
+PY
+export ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:abort_on_error=0
+cli="$build/llama-dflash-cli"
+run() { echo "== llama-dflash-cli $*"; "$cli" -m "$work/target.gguf" -md "$work/draft.gguf" -t 2 --json "$@" > /dev/null; }
+run -p "def fibonacci(n):" -n 64
+run -p "def fibonacci(n):" -n 64 --temp 1.0 --top-k 40 --top-p 0.9 -s 7
+run -p "Once upon a time" -n 64 --block-size 16 --draft-max 3
+run -p "import numpy as np" -n 200 -c 48 -b 16
+run -p "hello" -n 32 --no-draft
+echo "AddressSanitizer: no errors in 5 generations"
