@@ -51,6 +51,8 @@ nb::dict gguf_info_dict(const std::string & path) {
 
 } // namespace
 
+void bind_native_draft(nb::module_ & m);  // native_draft.cpp
+
 NB_MODULE(_core, m) {
     m.doc() = "dflash-llama native runtime";
 
@@ -184,4 +186,6 @@ NB_MODULE(_core, m) {
                  }
                  return out;
              }, "features"_a, "block"_a);
+
+    bind_native_draft(m);
 }

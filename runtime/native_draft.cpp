@@ -1,0 +1,272 @@
+#include "native_draft.h"
+
+#include "log.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "llama-ext.h"  // llama_model_target_layer_ids (pinned internal API, as common/speculative.cpp uses)
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <stdexcept>
+
+namespace dflash {
+
+namespace {
+
+// The shared vocabulary of draft intermediates (design.md); "-N" suffixes are per layer.
+const char * const kTracedNames[] = {
+    "fc_out", "inp_g_embeddings", "Kcur_injected", "Vcur_injected", "inp_noise_embd", "noise_norm",
+    "Qcur", "Kcur", "Vcur", "ffn_inp", "ffn_norm", "ffn_out", "l_out", "result_norm", "result_output",
+};
+
+// "Qcur-3" -> "Qcur"; names without a numeric suffix unchanged
+std::string base_name(const char * name) {
+    const char * dash = std::strrchr(name, '-');
+    if (dash == nullptr || dash[1] == '\0') {
+        return name;
+    }
+    for (const char * c = dash + 1; *c; ++c) {
+        if (*c < '0' || *c > '9') {
+            return name;
+        }
+    }
+    return std::string(name, dash - name);
+}
+
+bool is_traced(const char * name) {
+    const std::string base = base_name(name);
+    for (const char * n : kTracedNames) {
+        if (base == n) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// A tensor of the graph as f32 in NumPy order, whatever its strides (views included) and float type.
+traced_tensor read_tensor(const ggml_tensor * t) {
+    traced_tensor out;
+    out.shape.assign(t->ne, t->ne + ggml_n_dims(t));
+    out.data.resize((size_t) ggml_nelements(t));
+    if (t->type == GGML_TYPE_F32 && ggml_is_contiguous(t)) {
+        ggml_backend_tensor_get(t, out.data.data(), 0, ggml_nbytes(t));
+        return out;
+    }
+    if (t->type != GGML_TYPE_F32 && t->type != GGML_TYPE_F16 && t->type != GGML_TYPE_BF16) {
+        throw std::runtime_error(std::string("native draft: cannot read tensor ") + ggml_get_name(t) + " of type " +
+                                 ggml_type_name(t->type));
+    }
+    std::vector<uint8_t> raw(ggml_nbytes(t));  // the strided span the view covers
+    ggml_backend_tensor_get(t, raw.data(), 0, raw.size());
+    size_t k = 0;
+    for (int64_t i3 = 0; i3 < t->ne[3]; ++i3)
+    for (int64_t i2 = 0; i2 < t->ne[2]; ++i2)
+    for (int64_t i1 = 0; i1 < t->ne[1]; ++i1)
+    for (int64_t i0 = 0; i0 < t->ne[0]; ++i0) {
+        const uint8_t * p = raw.data() + i0 * t->nb[0] + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
+        float v;
+        if (t->type == GGML_TYPE_F32) {
+            std::memcpy(&v, p, sizeof(float));
+        } else if (t->type == GGML_TYPE_F16) {
+            v = ggml_fp16_to_fp32(*reinterpret_cast<const ggml_fp16_t *>(p));
+        } else {
+            v = ggml_bf16_to_fp32(*reinterpret_cast<const ggml_bf16_t *>(p));
+        }
+        out.data[k++] = v;
+    }
+    return out;
+}
+
+struct batch_guard {
+    llama_batch_ext * b;
+    ~batch_guard() { llama_batch_ext_free(b); }
+};
+
+} // namespace
+
+native_draft::native_draft(const native_draft_params & params, target_runner & target) : target_(target) {
+    std::error_code ec;
+    if (!std::filesystem::exists(params.path, ec)) {
+        throw std::invalid_argument(params.path + ": no such file");
+    }
+    if (params.n_ctx < 2) {
+        throw std::invalid_argument("native draft n_ctx must be at least 2, got " + std::to_string(params.n_ctx));
+    }
+    clear_last_error();
+    llama_model_params mparams = llama_model_default_params();
+    mparams.n_gpu_layers = 0;
+    model_ = llama_model_load_from_file(params.path.c_str(), mparams);
+    if (model_ == nullptr) {
+        const std::string why = last_error();
+        throw std::invalid_argument(params.path + ": llama.cpp could not load the draft as a model" +
+                                    (why.empty() ? std::string() : " (" + why + ")"));
+    }
+    char arch[64] = {};
+    llama_model_meta_val_str(model_, "general.architecture", arch, sizeof(arch));
+    if (std::strcmp(arch, "dflash") != 0) {
+        llama_model_free(model_);
+        throw std::invalid_argument(params.path + ": architecture is '" + arch + "', not a DFlash draft ('dflash')");
+    }
+    if (llama_model_n_embd(model_) != target.n_embd()) {
+        const int32_t n = llama_model_n_embd(model_);
+        llama_model_free(model_);
+        throw std::invalid_argument(params.path + ": draft hidden size " + std::to_string(n) + " != target's " +
+                                    std::to_string(target.n_embd()));
+    }
+
+    // what common_speculative_impl_draft_dflash reads from the draft
+    const int32_t * ids = llama_model_target_layer_ids(model_);
+    target_layers_.assign(ids, ids + llama_model_target_layer_ids_n(model_));
+    mask_token_id_ = llama_vocab_mask(llama_model_get_vocab(model_));
+    char buf[32] = {};
+    if (llama_model_meta_val_str(model_, "dflash.block_size", buf, sizeof(buf)) >= 0) {
+        block_size_ = std::atoi(buf);
+    }
+    if (llama_model_meta_val_str(model_, "dflash.attention.causal", buf, sizeof(buf)) >= 0) {
+        causal_ = std::strcmp(buf, "true") == 0;
+    }
+    n_embd_in_ = (int32_t) target_layers_.size() * target.n_embd();
+
+    llama_context_params cparams = llama_context_default_params();
+    cparams.n_ctx           = (uint32_t) params.n_ctx;
+    cparams.n_batch         = (uint32_t) params.n_ctx;  // one ubatch per call: one graph, whole tensors
+    cparams.n_ubatch        = (uint32_t) params.n_ctx;
+    cparams.n_seq_max       = 1;
+    cparams.n_rs_seq        = 0;
+    const int32_t n_threads = params.n_threads > 0 ? params.n_threads : (int32_t) llama_n_threads(target.context());
+    cparams.n_threads       = n_threads;
+    cparams.n_threads_batch = n_threads;
+    cparams.no_perf         = true;
+    cparams.ctx_other       = target.context();
+    if (params.kv_f32) {
+        cparams.type_k          = GGML_TYPE_F32;
+        cparams.type_v          = GGML_TYPE_F32;
+        cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    }
+    cparams.cb_eval           = &native_draft::on_eval;
+    cparams.cb_eval_user_data = this;
+    ctx_ = llama_init_from_model(model_, cparams);
+    if (ctx_ == nullptr) {
+        const std::string why = last_error();
+        llama_model_free(model_);
+        throw std::runtime_error(params.path + ": llama.cpp could not create a draft context" +
+                                 (why.empty() ? std::string() : " (" + why + ")"));
+    }
+    llama_set_causal_attn(ctx_, causal_);  // as draft-dflash does: non-causal unless the GGUF says causal
+    n_ctx_        = std::min((int32_t) llama_n_ctx(ctx_), params.n_ctx);
+    n_ubatch_     = (int32_t) llama_n_ubatch(ctx_);
+    encoder_pass_ = params.encoder_pass;
+}
+
+native_draft::~native_draft() {
+    if (ctx_)   llama_free(ctx_);
+    if (model_) llama_model_free(model_);
+}
+
+bool native_draft::on_eval(ggml_tensor * t, bool ask, void * user_data) {
+    auto * self = static_cast<native_draft *>(user_data);
+    if (self->recording_ == nullptr) {
+        return ask ? false : true;
+    }
+    const char * name = ggml_get_name(t);
+    const bool wanted = self->encoding_ ? std::strcmp(name, "fc_out") == 0 : is_traced(name);
+    if (ask) {
+        return wanted;
+    }
+    if (wanted) {
+        (*self->recording_)[name] = read_tensor(t);
+    }
+    return true;
+}
+
+draft_trace native_draft::trace(const std::vector<float> & features, int32_t n_ctx_tokens, const std::vector<int32_t> & block) {
+    const int32_t n_block = (int32_t) block.size();
+    if (n_ctx_tokens < 1) {
+        throw std::invalid_argument("the native draft needs at least one context token of features");
+    }
+    if (features.size() != (size_t) n_ctx_tokens * n_embd_in_) {
+        throw std::invalid_argument("features must be [" + std::to_string(n_ctx_tokens) + ", " + std::to_string(n_embd_in_) +
+                                    "] (" + std::to_string(target_layers_.size()) + " taps), got " +
+                                    std::to_string(features.size()) + " values");
+    }
+    if (n_block < 1) {
+        throw std::invalid_argument("empty block");
+    }
+    for (const int32_t t : block) {
+        if (t < 0 || t >= target_.n_vocab()) {
+            throw std::invalid_argument("block token " + std::to_string(t) + " is outside the vocabulary");
+        }
+    }
+    if (n_ctx_tokens + n_block > n_ctx_ || std::max(n_ctx_tokens, n_block) > n_ubatch_) {
+        throw std::invalid_argument("features (" + std::to_string(n_ctx_tokens) + ") + block (" + std::to_string(n_block) +
+                                    ") exceed the native draft context of " + std::to_string(n_ctx_) + " positions");
+    }
+
+    draft_trace out;
+    llama_memory_t mem = llama_get_memory(ctx_);
+    llama_memory_clear(mem, true);
+    batch_guard batch{ llama_batch_ext_init(ctx_) };
+    auto run = [&](llama_process_type type, const char * what) {
+        clear_last_error();
+        const int32_t rc = llama_process(ctx_, type, batch.b);
+        if (rc != 0) {
+            const std::string why = last_error();
+            throw std::runtime_error(std::string("native draft: llama_process (") + what + ") failed with code " +
+                                     std::to_string(rc) + (why.empty() ? std::string() : " (" + why + ")"));
+        }
+    };
+    auto add_features = [&](bool output) {
+        llama_batch_ext_clear(batch.b);
+        for (int32_t i = 0; i < n_ctx_tokens; ++i) {
+            const llama_embd row = { features.data() + (size_t) i * n_embd_in_, 1, (size_t) n_embd_in_ };
+            const int32_t idx = llama_batch_ext_add_embd(batch.b, 0, row);
+            if (idx < 0) {
+                throw std::runtime_error("native draft: could not add feature row " + std::to_string(i) +
+                                         " to the batch (error " + std::to_string(idx) + ")");
+            }
+            const llama_pos pos[4] = { i, i, i, 0 };
+            llama_batch_ext_set_pos(batch.b, idx, pos);
+            llama_batch_ext_set_output_logits(batch.b, idx, output);
+        }
+    };
+
+    recording_ = &out;
+    try {
+        // the encoder graph: fc_out (draft-dflash never runs it; it holds the only fc_out)
+        if (encoder_pass_) {
+            encoding_ = true;
+            add_features(true);
+            run(LLAMA_PROCESS_TYPE_ENCODE, "encoder graph");
+            encoding_ = false;
+            llama_memory_clear(mem, true);
+        }
+        // 1. inject: the decoder graph on an embd batch writes the context K/V into the cache
+        add_features(false);
+        run(LLAMA_PROCESS_TYPE_DECODE, "feature injection");
+        // 2. the block, logits on every position (draft-dflash reads positions 1..)
+        llama_batch_ext_clear(batch.b);
+        for (int32_t i = 0; i < n_block; ++i) {
+            const int32_t idx = llama_batch_ext_add_token(batch.b, 0, block[i]);
+            if (idx < 0) {
+                throw std::runtime_error("native draft: could not add block token " + std::to_string(i) + " to the batch");
+            }
+            const llama_pos pos[4] = { n_ctx_tokens + i, 0, 0, 0 };
+            llama_batch_ext_set_pos(batch.b, idx, pos);
+            llama_batch_ext_set_output_logits(batch.b, idx, true);
+        }
+        run(LLAMA_PROCESS_TYPE_DECODE, "block");
+    } catch (...) {
+        recording_ = nullptr;
+        encoding_  = false;
+        llama_memory_clear(mem, true);
+        throw;
+    }
+    recording_ = nullptr;
+    llama_memory_clear(mem, true);
+    return out;
+}
+
+} // namespace dflash

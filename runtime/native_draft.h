@@ -1,0 +1,72 @@
+// llama.cpp's own DFlash draft (arch `dflash`, src/models/dflash.cpp of the pinned tree) as a peer
+// for the parity harness: the draft GGUF loaded as a llama.cpp model, a draft context whose
+// `ctx_other` is our target's context (it borrows the target's token embeddings and head), driven
+// the way the pinned common/speculative.cpp `draft-dflash` drives it:
+//
+//   1. an embd batch of target features at positions 0..n-1: the decoder graph's fused path
+//      (fc, hidden_norm, per layer K/V written into llama.cpp's KV cache);
+//   2. a token batch of the block at positions n..n+B-1 with logits on, under the attention mode
+//      `draft-dflash` sets (llama_set_causal_attn(ctx, dflash.attention.causal), default off).
+//
+// Every tensor of the shared vocabulary is read through the context's eval callback. The decoder
+// graph has no `fc_out` (it names only the normed `inp_g_embeddings`); `fc_out` is read from one
+// extra pass of llama.cpp's DFlash encoder graph (llama_process ENCODE) over the same features, a
+// graph the `draft-dflash` loop itself never runs.
+#pragma once
+
+#include "draft_graph.h"  // traced_tensor, draft_trace
+#include "target.h"
+
+#include "llama.h"
+
+#include <string>
+#include <vector>
+
+namespace dflash {
+
+struct native_draft_params {
+    std::string path;
+    int32_t     n_ctx     = 512;   // positions of the draft context (features + block)
+    int32_t     n_threads = 0;     // 0: the target context's
+    bool        kv_f32    = true;  // f32 KV cache and no flash attention (parity); false: llama.cpp's defaults
+    bool        encoder_pass = true;  // also run the encoder graph, for `fc_out`
+};
+
+class native_draft {
+public:
+    // `target` must outlive this object: its context is the draft context's ctx_other.
+    native_draft(const native_draft_params & params, target_runner & target);
+    ~native_draft();
+    native_draft(const native_draft &) = delete;
+    native_draft & operator=(const native_draft &) = delete;
+
+    // Every named intermediate for context features ([n_ctx_tokens, n_taps * n_embd_target],
+    // positions 0..) and a block at the following positions. The draft KV cache is cleared before
+    // and after. Shapes as ggml's ne (ne0 first, trailing 1s dropped), like draft_runner's trace.
+    draft_trace trace(const std::vector<float> & features, int32_t n_ctx_tokens, const std::vector<int32_t> & block);
+
+    // dflash.target_layers as llama.cpp read them (ids + 1: it captures layer inputs)
+    const std::vector<int32_t> & target_layers() const { return target_layers_; }
+    int32_t mask_token_id() const { return mask_token_id_; }
+    int32_t block_size()    const { return block_size_; }
+    bool    causal()        const { return causal_; }
+    int32_t n_ctx()         const { return n_ctx_; }
+
+private:
+    static bool on_eval(struct ggml_tensor * t, bool ask, void * user_data);
+
+    target_runner &      target_;
+    llama_model *        model_ = nullptr;
+    llama_context *      ctx_   = nullptr;
+    std::vector<int32_t> target_layers_;
+    int32_t              mask_token_id_ = -1;
+    int32_t              block_size_    = 16;
+    bool                 causal_        = false;
+    bool                 encoder_pass_  = true;
+    int32_t              n_ctx_ = 0, n_ubatch_ = 0, n_embd_in_ = 0;
+
+    draft_trace *        recording_ = nullptr;  // where on_eval stores tensors; null: record nothing
+    bool                 encoding_  = false;    // the encoder pass keeps only fc_out
+};
+
+} // namespace dflash
