@@ -107,3 +107,12 @@ def smollm2_constant_draft_hf(smollm2_gguf, tmp_path_factory) -> Path:
     """A draft for SmolLM2 (GGUF only, no HF dir) that always proposes " ha": accepted on "ha ha ha"."""
     return fixtures.constant_draft_hf(tmp_path_factory.mktemp("smollm2_draft") / "ha-draft",
                                       smollm2_gguf, "Ġha")
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_gguf(tiny_draft_hf, tiny_target_gguf, tmp_path_factory) -> Path:
+    """`tiny_draft_hf` (block 8, default taps) converted to f32 GGUF by our converter."""
+    from dflash_llama.converter import convert
+
+    return convert(tiny_draft_hf, tiny_target_gguf, tmp_path_factory.mktemp("tiny_draft_gguf") / "tiny-draft-f32.gguf",
+                   outtype="f32")

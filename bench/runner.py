@@ -1,0 +1,464 @@
+"""One benchmark run: every method on every prompt, interleaved, then the summaries.
+
+Methods (each a row per prompt):
+- `runtime-ar`: our runtime, plain decoding (`Runtime.autoregressive`), the reference for
+  exactness of our speculative rows;
+- `llama-completion`: the pinned llama.cpp, plain decoding, the reference for the llama.cpp peers;
+- `runtime-b{K}`: our DFlash runtime with verify blocks of K tokens (K-1 drafted);
+- `runtime-b{B}-n{N}`: the draft's trained block B verifying only N drafted tokens (the cost
+  model's pick with `--draft-max auto`);
+- `native-b{K}`: llama.cpp's native DFlash, `--spec-draft-n-max K-1` (its block is n_max+1);
+- `ngram-*`: llama.cpp's n-gram speculation, draft-free, with the tool's default settings.
+
+For every prompt the methods run in an order rotated by one place from the previous prompt, so
+machine noise (other jobs, thermal drift) falls on all methods alike. Ratios are taken between
+rows measured in this run: per prompt (paired) and over all tokens.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import cost_model, peers
+from .prompts import Prompt
+
+SCHEMA = "dflash-llama-bench/1"
+
+
+@dataclass(frozen=True)
+class Method:
+    key: str
+    impl: str  # "dflash-llama" or "llama.cpp"
+    kind: str  # "autoregressive", "dflash" or "ngram"
+    block_size: int | None = None  # verify block: drafted tokens + 1
+    draft_max: int | None = None  # drafted tokens verified per step (None: block_size - 1)
+    spec_type: str | None = None
+    auto: bool = False  # the cost model's pick
+
+    @property
+    def n_draft(self) -> int | None:
+        if self.kind != "dflash":
+            return None
+        return self.draft_max if self.draft_max is not None else self.block_size - 1
+
+    @property
+    def label(self) -> str:
+        if self.key == "runtime-ar":
+            return "dflash-llama autoregressive"
+        if self.key == "llama-completion":
+            return "llama-completion"
+        if self.kind == "ngram":
+            return f"llama.cpp {self.spec_type}"
+        who = "dflash-llama" if self.impl == "dflash-llama" else "llama.cpp native"
+        n = f", N={self.draft_max}" if self.draft_max is not None else ""
+        return f"{who} DFlash B={self.block_size}{n}{' (auto)' if self.auto else ''}"
+
+
+@dataclass
+class Settings:
+    target: str
+    draft: str
+    prompts: list[Prompt]
+    pilot: list[Prompt]  # prompts for the cost model's measurements
+    n_predict: int
+    block_sizes: list[int]
+    draft_max: str | int  # "auto" or N
+    threads: int
+    n_ctx: int
+    ngram_types: list[str]
+    native: bool = True
+    server: bool = True
+    server_concurrency: list[int] = field(default_factory=lambda: [1, 2, 4])
+    calibration_tokens: int = 32
+
+
+def _first_difference(a, b) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def text_matches(text: str, ref: str, ref_stopped: bool) -> tuple[bool, int | None]:
+    """Does a peer's greedy text agree with the reference's? A reference that ran to -n is a prefix
+    of the peer's text (peers may decode past -n); one that stopped at end of generation must be
+    equal. Returns (exact, index of the first differing character)."""
+    if ref_stopped:
+        return text == ref, _first_difference(text, ref)
+    ok = text.startswith(ref)
+    return ok, None if ok else _first_difference(text, ref)
+
+
+def plan_methods(s: Settings, block_size: int, pick: int | None) -> list[Method]:
+    methods = [Method("runtime-ar", "dflash-llama", "autoregressive"),
+               Method("llama-completion", "llama.cpp", "autoregressive")]
+    for k in s.block_sizes:
+        methods.append(Method(f"runtime-b{k}", "dflash-llama", "dflash", block_size=k))
+    if pick is not None and not (pick == block_size - 1 and block_size in s.block_sizes):
+        methods.append(Method(f"runtime-b{block_size}-n{pick}", "dflash-llama", "dflash", block_size=block_size,
+                              draft_max=pick, auto=s.draft_max == "auto"))
+    if s.native:
+        for k in s.block_sizes:
+            if k - 1 <= block_size - 1:  # llama.cpp clamps n_max to the trained block: larger K repeat B
+                methods.append(Method(f"native-b{k}", "llama.cpp", "dflash", block_size=k, spec_type="draft-dflash"))
+    for t in s.ngram_types:
+        methods.append(Method(t, "llama.cpp", "ngram", spec_type=t))
+    return methods
+
+
+def _runtime_row(m: Method, g) -> dict:
+    st = g.stats
+    decode_ms = st.t_total_ms - st.t_prefill_ms
+    n_dec = st.n_generated - 1  # the first token comes from the prompt's logits
+    row = {
+        "n_tokens": st.n_generated,
+        "decode_tokens": n_dec,
+        "decode_ms": decode_ms,
+        "tokens_per_second": 1000.0 * n_dec / decode_ms if n_dec > 0 and decode_ms > 0 else None,
+        "prefill_ms": st.t_prefill_ms,
+        "time_split_ms": {"prefill": st.t_prefill_ms, "draft": st.t_draft_ms, "verify": st.t_verify_ms,
+                          "other": st.t_other_ms, "total": st.t_total_ms},
+        "stop_reason": g.stop_reason,
+    }
+    if m.kind == "dflash":
+        drafted = sum(len(x.drafted) for x in g.steps)
+        accepted = sum(x.accepted for x in g.steps)
+        row.update(tau=g.tau, steps=len(g.steps), n_drafted=drafted, n_accepted=accepted,
+                   acceptance_rate=accepted / drafted if drafted else None,
+                   acceptance_by_position=list(g.acceptance_by_position),
+                   acceptance_lengths=[x.produced for x in g.steps],
+                   drafted_per_step=[len(x.drafted) for x in g.steps],
+                   accepted_per_step=[x.accepted for x in g.steps])
+    return row
+
+
+def _peer_row(m: Method, r: peers.PeerResult) -> dict:
+    row = {
+        "n_tokens": r.n_tokens + (1 if m.key == "llama-completion" else 0),
+        "decode_tokens": r.n_tokens,
+        "decode_ms": r.decode_ms,
+        "tokens_per_second": r.tokens_per_second,
+        "prefill_ms": r.prompt_ms,
+        "time_split_ms": {"prefill": r.prompt_ms, "decode": r.decode_ms},
+        "stop_reason": "stop_token" if r.stopped else "max_tokens",
+    }
+    if r.n_drafted is not None:
+        row.update(n_drafted=r.n_drafted, n_accepted=r.n_accept,
+                   acceptance_rate=r.n_accept / r.n_drafted if r.n_drafted else None)
+        if m.kind == "dflash" and m.n_draft:
+            # native DFlash drafts exactly n_max tokens every step, so steps = drafted / n_max
+            steps = r.n_drafted / m.n_draft
+            row.update(steps=steps, tau=(r.n_accept + steps) / steps if steps else None)
+    return row
+
+
+class Bench:
+    """Runs the benchmark; `progress(n, what)` is told after every measurement."""
+
+    def __init__(self, s: Settings, progress: Callable[[int, str], None] = lambda n, what: None):
+        self.s = s
+        self.progress = progress
+        self.retotal: Callable[[int], None] = lambda extra: None  # the plan changed by `extra` runs
+        from dflash_llama import Runtime
+
+        self.rt = Runtime(s.target, s.draft, n_threads=s.threads, n_ctx=s.n_ctx)
+        self.block_size = self.rt.block_size
+        self.tokens = {p.id: self.rt.tokenize(p.text) for p in s.prompts + s.pilot}
+        too_long = [(pid, len(t)) for pid, t in self.tokens.items()
+                    if len(t) + s.n_predict + max(s.block_sizes + [self.block_size]) > s.n_ctx]
+        if too_long:
+            raise ValueError(f"prompt {too_long[0][0]} has {too_long[0][1]} tokens: with -n {s.n_predict} it does "
+                             f"not fit the context of {s.n_ctx} tokens (raise --ctx-size)")
+
+    # -- planning -----------------------------------------------------------------------------
+    def count_runs(self) -> dict[str, int]:
+        """Measurements per phase, for the progress bar (before the pick is known: assume one more row)."""
+        b = self.block_size
+        n_methods = len(plan_methods(self.s, b, pick=1 if b > 2 else None))
+        return {
+            "warmup": 2,
+            "cost_model": len(self.s.pilot) * (1 + (b - 1)) + len(self.s.pilot),
+            "main": n_methods * len(self.s.prompts),
+            "server": len(self.s.prompts) * len(self.s.server_concurrency) if self.s.server else 0,
+        }
+
+    # -- phases -------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        first = self.tokens[self.s.prompts[0].id]
+        self.rt.autoregressive(first, 8, stop_at_eog=False)
+        self.progress(1, "warm-up")
+        self.rt.generate(first, 8, stop_at_eog=False)
+        self.progress(1, "warm-up")
+
+    def cost_model(self) -> dict:
+        """Acceptance curve and step costs on the pilot prompts; the pick of N."""
+        b = self.block_size
+        pilot = [self.tokens[p.id] for p in self.s.pilot]
+        steps = []
+        for toks in pilot:  # the acceptance curve at the trained block, full -n
+            g = self.rt.generate(toks, self.s.n_predict, block_size=b)
+            steps += g.steps
+            self.progress(1, "cost model: acceptance")
+        costs, gens = cost_model.calibrate(self.rt, pilot, list(range(1, b)), block_size=b,
+                                           max_new_tokens=self.s.calibration_tokens,
+                                           on_run=lambda k: self.progress(1, "cost model: step costs"))
+        steps += [x for n, g in gens if n == b - 1 for x in g.steps]
+        ar_ms = []
+        for toks in pilot:
+            ar_ms.append(cost_model.autoregressive_step_ms(self.rt, [toks], self.s.calibration_tokens))
+            self.progress(1, "cost model: autoregressive step")
+        surv = cost_model.survival(steps)
+        self.costs = costs
+        preds = cost_model.predict(surv, costs)
+        pick = cost_model.choose(surv, costs)
+        out = cost_model.to_json(costs, preds, pick)
+        out.update(block_size=b, survival=surv, pilot_prompts=[p.id for p in self.s.pilot],
+                   pilot_steps=len(steps), autoregressive_step_ms=statistics.median(ar_ms),
+                   autoregressive_tokens_per_second=1000.0 / statistics.median(ar_ms),
+                   calibration_tokens=self.s.calibration_tokens)
+        return out
+
+    def run_method(self, m: Method, p: Prompt) -> dict:
+        s = self.s
+        toks = self.tokens[p.id]
+        if m.key == "runtime-ar":
+            g = self.rt.autoregressive(toks, s.n_predict)
+            row = _runtime_row(m, g)
+            row["_tokens"], row["_text"] = g.tokens, g.text
+        elif m.impl == "dflash-llama":
+            g = self.rt.generate(toks, s.n_predict, block_size=m.block_size, draft_max=m.draft_max)
+            row = _runtime_row(m, g)
+            row["_tokens"], row["_text"] = g.tokens, g.text
+        elif m.key == "llama-completion":
+            r = peers.completion(s.target, p.text, s.n_predict, threads=s.threads, n_ctx=s.n_ctx)
+            row = _peer_row(m, r)
+            row["_text"], row["_stopped"] = r.text, r.stopped
+        else:
+            r = peers.speculative(s.target, p.text, s.n_predict, m.spec_type, threads=s.threads, n_ctx=s.n_ctx,
+                                  draft=s.draft if m.kind == "dflash" else None,
+                                  n_max=m.n_draft if m.kind == "dflash" else None)
+            row = _peer_row(m, r)
+            row["_text"], row["_stopped"] = r.text, r.stopped
+        return row
+
+    def main_loop(self, methods: list[Method]) -> list[dict]:
+        rows = []
+        for i, p in enumerate(self.s.prompts):
+            shift = i % len(methods)
+            results = {}
+            for m in methods[shift:] + methods[:shift]:
+                results[m.key] = self.run_method(m, p)
+                self.progress(1, f"{p.id} {m.key}")
+            ar, lc = results["runtime-ar"], results["llama-completion"]
+            for m in methods:
+                r = results[m.key]
+                if m.impl == "dflash-llama" and m.kind == "dflash":
+                    exact, diff = r["_tokens"] == ar["_tokens"], _first_difference(r["_tokens"], ar["_tokens"])
+                    against, unit = "runtime-ar", "token"
+                elif m.key == "runtime-ar":
+                    exact, diff = text_matches(r["_text"], lc["_text"], lc["_stopped"])
+                    exact = exact and len(r["_text"]) == len(lc["_text"])
+                    against, unit = "llama-completion", "char"
+                elif m.key == "llama-completion":
+                    exact, diff = text_matches(r["_text"], ar["_text"], True)
+                    against, unit = "runtime-ar", "char"
+                else:
+                    exact, diff = text_matches(r["_text"], lc["_text"], lc["_stopped"])
+                    against, unit = "llama-completion", "char"
+                row = {"prompt": p.id, "method": m.key, "label": m.label, "impl": m.impl, "kind": m.kind,
+                       "block_size": m.block_size, "n_draft": m.n_draft, "spec_type": m.spec_type, "auto": m.auto,
+                       "exact": bool(exact), "exact_against": against, "first_difference": diff,
+                       "first_difference_unit": unit if diff is not None else None}
+                row.update({k: v for k, v in r.items() if not k.startswith("_")})
+                rows.append(row)
+            # the references' texts, for readers who want to look (and the server's exactness)
+            rows.append({"prompt": p.id, "method": "_texts", "runtime_ar_text": ar["_text"],
+                         "llama_completion_text": lc["_text"], "llama_completion_stopped": lc["_stopped"]})
+        return rows
+
+    def server_phase(self, n_max: int, reference_texts: dict[str, tuple[str, bool]]) -> dict:
+        from . import server
+
+        s = self.s
+        prompts = [(p.id, p.text) for p in s.prompts]
+        levels = []
+        with server.LlamaServer(s.target, s.draft, threads=s.threads, n_ctx=s.n_ctx,
+                                n_parallel=max(s.server_concurrency), n_max=n_max) as srv:
+            command = srv.cmd
+            for c in s.server_concurrency:
+                res = server.load_test(srv.url, prompts, s.n_predict, c,
+                                       on_done=lambda c=c: self.progress(1, f"server, concurrency {c}"))
+                summary = res.summary()
+                reqs = []
+                for r in res.requests:
+                    ref, stopped = reference_texts[r.prompt_id]
+                    exact, diff = text_matches(r.text, ref, stopped)
+                    reqs.append(dict(asdict(r), exact=exact, first_difference=diff))
+                summary["exact"] = sum(x["exact"] for x in reqs)
+                summary["requests_detail"] = reqs
+                levels.append(summary)
+            pid = srv.pid
+        return {"command": command, "n_max": n_max, "pid": pid, "levels": levels}
+
+    # -- everything -----------------------------------------------------------------------------
+    def run(self) -> dict:
+        s = self.s
+        t0 = time.time()
+        load_start = _loadavg()
+        self.warmup()
+        cm = self.cost_model()
+        pick = cm["pick"]["n_draft"] if s.draft_max == "auto" else int(s.draft_max)
+        if pick > self.block_size - 1:
+            raise ValueError(f"--draft-max {pick} exceeds the draft's block: at most {self.block_size - 1} drafted tokens")
+        cm["used_n_draft"] = pick
+        methods = plan_methods(s, self.block_size, pick)
+        assumed = len(plan_methods(s, self.block_size, 1 if self.block_size > 2 else None))
+        self.retotal((len(methods) - assumed) * len(s.prompts))
+        rows = self.main_loop(methods)
+        texts = {r["prompt"]: (r["llama_completion_text"], r["llama_completion_stopped"])
+                 for r in rows if r["method"] == "_texts"}
+        srv = self.server_phase(self.block_size - 1, texts) if s.server else None
+        summary = summarise(rows, methods)
+        # the model's predictions against this run's measurements; "bench acceptance" re-predicts with the
+        # acceptance measured on the benchmark prompts, separating timing error from acceptance sampling
+        full = summary.get(f"runtime-b{self.block_size}")
+        bench_preds = (cost_model.predict(full["acceptance_by_position"], self.costs)
+                       if full and full.get("acceptance_by_position") else None)
+        if bench_preds:
+            cm["predictions_bench_acceptance"] = [asdict(p) for p in bench_preds]
+        cm["checks"] = []
+        for m in methods:
+            if m.impl == "dflash-llama" and m.kind == "dflash" and m.block_size == self.block_size:
+                pilot = next((p["tokens_per_second"] for p in cm["predictions"] if p["n_draft"] == m.n_draft), None)
+                post = next((p.tokens_per_second for p in bench_preds or [] if p.n_draft == m.n_draft), None)
+                cm["checks"].append({"method": m.key, "n_draft": m.n_draft,
+                                     "measured_tokens_per_second": summary[m.key]["tokens_per_second"],
+                                     "predicted_tokens_per_second": pilot,
+                                     "predicted_with_bench_acceptance": post})
+                if m.n_draft == pick:
+                    cm.update(measured_key=m.key, measured_tokens_per_second=summary[m.key]["tokens_per_second"],
+                              predicted_tokens_per_second=pilot, predicted_with_bench_acceptance=post)
+        return {
+            "schema": SCHEMA,
+            "meta": machine_info() | {"started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0)),
+                                      "wall_s": time.time() - t0, "loadavg_start": load_start,
+                                      "loadavg_end": _loadavg()},
+            "settings": {"target": s.target, "draft": s.draft, "n_predict": s.n_predict, "block_sizes": s.block_sizes,
+                         "draft_block_size": self.block_size, "draft_max": s.draft_max, "threads": s.threads,
+                         "n_ctx": s.n_ctx, "ngram_types": s.ngram_types, "native": s.native,
+                         "server": s.server, "server_concurrency": s.server_concurrency,
+                         "prompts": [{"id": p.id, "n_tokens": len(self.tokens[p.id])} for p in s.prompts],
+                         "pilot_prompts": [p.id for p in s.pilot]},
+            "methods": [dict(asdict(m), label=m.label, n_draft=m.n_draft) for m in methods],
+            "summary": summary,
+            "ratios": ratios(rows, methods, self.block_size),
+            "cost_model": cm,
+            "server": srv,
+            "rows": [r for r in rows if r["method"] != "_texts"],
+            "texts": [r for r in rows if r["method"] == "_texts"],
+        }
+
+
+def summarise(rows: list[dict], methods: list[Method]) -> dict:
+    """Per method: speed over all tokens, paired speedups, acceptance pooled over prompts, exactness."""
+    by = {m.key: [r for r in rows if r["method"] == m.key] for m in methods}
+    base = {k: {r["prompt"]: r for r in by[k]} for k in ("runtime-ar", "llama-completion")}
+    out = {}
+    for m in methods:
+        rs = by[m.key]
+        dec_tokens = sum(r["decode_tokens"] for r in rs)
+        dec_ms = sum(r["decode_ms"] for r in rs)
+        tps = 1000.0 * dec_tokens / dec_ms if dec_ms > 0 else None
+        item = {"label": m.label, "impl": m.impl, "kind": m.kind, "block_size": m.block_size, "n_draft": m.n_draft,
+                "auto": m.auto, "prompts": len(rs), "exact": sum(r["exact"] for r in rs),
+                "all_exact": all(r["exact"] for r in rs), "decode_tokens": dec_tokens, "decode_ms": dec_ms,
+                "tokens_per_second": tps}
+        for k in ("runtime-ar", "llama-completion"):
+            per = [r["tokens_per_second"] / base[k][r["prompt"]]["tokens_per_second"] for r in rs
+                   if r["tokens_per_second"] and base[k][r["prompt"]]["tokens_per_second"]]
+            b = by[k]
+            b_tps = 1000.0 * sum(r["decode_tokens"] for r in b) / sum(r["decode_ms"] for r in b)
+            item[f"speedup_vs_{k}"] = tps / b_tps if tps and b_tps else None
+            item[f"median_prompt_speedup_vs_{k}"] = statistics.median(per) if per else None
+        if any("steps" in r for r in rs):
+            steps = sum(r.get("steps", 0) for r in rs)
+            drafted = sum(r.get("n_drafted", 0) for r in rs)
+            accepted = sum(r.get("n_accepted", 0) for r in rs)
+            item["acceptance_rate"] = accepted / drafted if drafted else None
+            item["tau"] = (accepted + steps) / steps if steps else None
+        elif any("n_drafted" in r for r in rs):
+            drafted = sum(r.get("n_drafted", 0) for r in rs)
+            accepted = sum(r.get("n_accepted", 0) for r in rs)
+            item["acceptance_rate"] = accepted / drafted if drafted else None
+            item["drafted_tokens"] = drafted
+        if m.impl == "dflash-llama" and m.kind == "dflash":
+            lengths = [x for r in rs for x in r["acceptance_lengths"]]
+            item["tau"] = sum(lengths) / len(lengths) if lengths else None
+            item["acceptance_length_histogram"] = {str(k): lengths.count(k) for k in range(1, m.block_size + 1)}
+            item["acceptance_by_position"] = cost_model.survival(
+                [pair for r in rs for pair in zip(r["drafted_per_step"], r["accepted_per_step"])])
+            split = {k: sum(r["time_split_ms"][k] for r in rs) for k in ("prefill", "draft", "verify", "other", "total")}
+            item["time_split_ms"] = split
+        out[m.key] = item
+    return out
+
+
+def ratios(rows: list[dict], methods: list[Method], block_size: int) -> list[dict]:
+    """The ratios the report promises, from rows of this run: over all tokens and the median of per-prompt ratios."""
+    keys = {m.key for m in methods}
+
+    def pair(a: str, b: str, what: str) -> dict | None:
+        if a not in keys or b not in keys:
+            return None
+        ra = {r["prompt"]: r for r in rows if r["method"] == a}
+        rb = {r["prompt"]: r for r in rows if r["method"] == b}
+        tot = lambda rs: 1000.0 * sum(r["decode_tokens"] for r in rs) / sum(r["decode_ms"] for r in rs)  # noqa: E731
+        per = [ra[p]["tokens_per_second"] / rb[p]["tokens_per_second"] for p in ra
+               if ra[p]["tokens_per_second"] and rb[p]["tokens_per_second"]]
+        return {"what": what, "numerator": a, "denominator": b, "ratio": tot(ra.values()) / tot(rb.values()),
+                "median_prompt_ratio": statistics.median(per) if per else None}
+
+    out = []
+    for m in methods:
+        if m.kind != "dflash" or m.impl != "dflash-llama":
+            continue
+        if m.draft_max is None:
+            out.append(pair(m.key, f"native-b{m.block_size}", f"our runtime / native DFlash, B={m.block_size}"))
+        out.append(pair(m.key, "runtime-ar", f"{m.label} / our autoregressive"))
+        out.append(pair(m.key, "llama-completion", f"{m.label} / llama-completion"))
+    for m in methods:
+        if m.impl == "llama.cpp" and m.kind == "dflash":
+            out.append(pair(m.key, "llama-completion", f"{m.label} / llama-completion"))
+    out.append(pair("runtime-ar", "llama-completion", "our autoregressive / llama-completion"))
+    return [r for r in out if r is not None]
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return None
+
+
+def machine_info() -> dict:
+    import os
+
+    import dflash_llama
+
+    cpu = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu or platform.processor(), "nproc": os.cpu_count(),
+            "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "platform": platform.platform(), "python": platform.python_version(),
+            "dflash_llama": dflash_llama.__version__, "llama_cpp": dflash_llama.llama_cpp_commit()}

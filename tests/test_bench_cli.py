@@ -1,0 +1,138 @@
+"""`dflash-llama bench` end to end on the tiny fixtures: every file, the bench.json schema, exactness
+on every row, the same-run ratios, the cost model's pick, serving, and no process left behind."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dflash_llama import cli, paths
+from dflash_llama.bench import server
+
+pytestmark = pytest.mark.peer
+
+PNGS = {"acceptance_length.png", "acceptance_by_position.png", "speed_by_block_size.png", "per_prompt_speedup.png",
+        "cost_model.png"}
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_target_gguf, tiny_draft_hf, tmp_path_factory):
+    """One small run; the draft is given as its HF checkpoint, so the run converts it."""
+    out = tmp_path_factory.mktemp("bench") / "tiny"
+    before = set(server.processes_of(paths.tool("llama-server")))
+    rc = cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tiny_draft_hf), "--limit", "2",
+                   "-n", "12", "-t", "1", "--block-sizes", "2,4,16", "--ngram-types", "ngram-simple,ngram-mod",
+                   "--pilot-prompts", "2", "--calibration-tokens", "6", "--server-concurrency", "1,2",
+                   "--out", str(out)])
+    after = set(server.processes_of(paths.tool("llama-server")))
+    return rc, out, json.loads((out / "bench.json").read_text()), before, after
+
+
+def test_writes_every_file(bench_run):
+    rc, out, res, _, _ = bench_run
+    assert rc == 0
+    assert {p.name for p in out.iterdir()} == {"bench.json", "bench.md"} | PNGS
+    for name in PNGS:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "bench.md").read_text()
+    for png in PNGS:
+        assert f"![{png}]({png})" in md
+    assert "| HumanEval/0 | llama.cpp native DFlash B=4 |" in md and "**no**" not in md
+
+
+def test_methods_and_rows(bench_run):
+    _, _, res, _, _ = bench_run
+    assert res["schema"] == "dflash-llama-bench/1"
+    assert res["settings"]["draft_block_size"] == 8 and res["settings"]["block_sizes"] == [2, 4, 16]
+    keys = [m["key"] for m in res["methods"]]
+    pick = res["cost_model"]["pick"]["n_draft"]
+    expected = ["runtime-ar", "llama-completion", "runtime-b2", "runtime-b4", "runtime-b16"]
+    expected += [f"runtime-b8-n{pick}"]  # B=8 is not swept: the pick gets its own row
+    expected += ["native-b2", "native-b4", "ngram-simple", "ngram-mod"]  # native B=16 exceeds the trained block
+    assert keys == expected
+    prompts = [p["id"] for p in res["settings"]["prompts"]]
+    assert prompts == ["HumanEval/0", "HumanEval/163"]
+    assert [(r["prompt"], r["method"]) for r in res["rows"]] == [(p, k) for p in prompts for k in keys]
+    for r in res["rows"]:
+        assert r["exact"] is True, r
+        assert r["first_difference"] is None
+        assert r["tokens_per_second"] > 0 and r["decode_ms"] > 0
+        # our speculative rows against our plain decoding (tokens), llama.cpp's against llama-completion
+        # (text), and the two plain decoders against each other
+        ours = r["method"].startswith("runtime-b") or r["method"] == "llama-completion"
+        assert r["exact_against"] == ("runtime-ar" if ours else "llama-completion")
+        if r["method"].startswith("runtime-b"):
+            # our runtime: tau, per-position acceptance and the time split, consistent with each other
+            assert r["n_tokens"] == 12 or r["stop_reason"] == "stop_token"
+            assert sum(r["acceptance_lengths"]) == r["n_tokens"] - 1
+            assert r["tau"] == pytest.approx(sum(r["acceptance_lengths"]) / r["steps"])
+            # the first step drafts its whole block unless -n leaves room for fewer (B=16: 11)
+            assert len(r["acceptance_by_position"]) == min(r["n_draft"], 12 - 1)
+            t = r["time_split_ms"]
+            assert t["prefill"] + t["draft"] + t["verify"] + t["other"] == pytest.approx(t["total"])
+        if r["method"].startswith("native-"):
+            assert r["n_drafted"] % r["n_draft"] == 0  # native drafts exactly n_max per step
+
+
+def test_summary_and_ratios_come_from_the_rows(bench_run):
+    _, _, res, _, _ = bench_run
+    rows = res["rows"]
+
+    def speed(key):
+        rs = [r for r in rows if r["method"] == key]
+        return 1000 * sum(r["decode_tokens"] for r in rs) / sum(r["decode_ms"] for r in rs)
+
+    for key, it in res["summary"].items():
+        assert it["all_exact"] and it["exact"] == it["prompts"] == 2
+        assert it["tokens_per_second"] == pytest.approx(speed(key))
+        assert it["speedup_vs_llama-completion"] == pytest.approx(speed(key) / speed("llama-completion"))
+    ratios = {r["what"]: r for r in res["ratios"]}
+    for b in (2, 4):
+        r = ratios[f"our runtime / native DFlash, B={b}"]
+        assert r["ratio"] == pytest.approx(speed(f"runtime-b{b}") / speed(f"native-b{b}"))
+        assert ratios[f"dflash-llama DFlash B={b} / our autoregressive"]["ratio"] == pytest.approx(
+            speed(f"runtime-b{b}") / speed("runtime-ar"))
+    assert "our runtime / native DFlash, B=16" not in ratios  # no native B=16 to compare with
+
+
+def test_cost_model(bench_run):
+    _, _, res, _, _ = bench_run
+    cm = res["cost_model"]
+    assert cm["block_size"] == 8 and [c["n_draft"] for c in cm["costs"]] == list(range(1, 8))
+    assert len(cm["survival"]) == 7 and all(0 <= s <= 1 for s in cm["survival"])
+    # the pick is the argmax of the predictions, which follow from the costs and the curve
+    preds = {p["n_draft"]: p for p in cm["predictions"]}
+    for c in cm["costs"]:
+        e = 1 + sum(cm["survival"][: c["n_draft"]])
+        assert preds[c["n_draft"]]["tokens_per_second"] == pytest.approx(1000 * e / c["step_ms"])
+    best = max(preds.values(), key=lambda p: (p["tokens_per_second"], -p["n_draft"]))
+    assert cm["pick"]["n_draft"] == best["n_draft"] == cm["used_n_draft"]
+    assert cm["measured_key"] == f"runtime-b8-n{best['n_draft']}"
+    assert cm["measured_tokens_per_second"] == res["summary"][cm["measured_key"]]["tokens_per_second"]
+    assert math.isfinite(cm["predicted_tokens_per_second"])
+
+
+def test_server_levels_and_no_process_left(bench_run):
+    _, _, res, before, after = bench_run
+    srv = res["server"]
+    assert [lv["concurrency"] for lv in srv["levels"]] == [1, 2]
+    for lv in srv["levels"]:
+        assert lv["requests"] == 2 and lv["exact"] == 2
+        assert lv["latency_s"]["p50"] <= lv["latency_s"]["max"]
+    assert "--spec-type" in srv["command"] and "draft-dflash" in srv["command"]
+    assert srv["pid"] not in after and after == before
+
+
+def test_bad_arguments_exit_2(capsys, tiny_target_gguf, tmp_path):
+    assert cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tmp_path / "nope.gguf")]) == 2
+    assert f"--draft {tmp_path / 'nope.gguf'}: no such file or folder" in capsys.readouterr().err
+    assert cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tmp_path)]) == 2
+    assert "neither a GGUF nor a Hugging Face checkpoint (no config.json)" in capsys.readouterr().err
+    assert cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tmp_path),
+                     "--ngram-types", "ngram-bogus"]) == 2
+    assert "unknown n-gram type 'ngram-bogus'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--block-sizes", "1,4"])
+    assert "--block-sizes must be integers >= 2" in capsys.readouterr().err

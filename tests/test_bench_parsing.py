@@ -1,0 +1,102 @@
+"""Reading the peer tools' output, the exactness rule for peers, and prompt sets. No models needed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_llama.bench import peers, prompts
+from dflash_llama.bench.runner import text_matches
+
+COMPLETION_STDERR = """\
+0.00.298.968 I common_perf_print:    sampling time =       1.69 ms
+0.00.298.973 I common_perf_print:        load time =      84.24 ms
+0.00.298.975 I common_perf_print: prompt eval time =       0.97 ms /     5 tokens (    0.19 ms per token,  5175.98 tokens per second)
+0.00.298.987 I common_perf_print:        eval time =       8.50 ms /    15 runs   (    0.57 ms per token,  1764.91 tokens per second)
+0.00.298.988 I common_perf_print:       total time =      11.93 ms /    20 tokens
+"""
+
+SPECULATIVE_STDERR = """\
+0.00.634.289 I encoded    5 tokens in    0.003 seconds, speed: 1923.077 t/s
+0.00.634.309 I decoded   17 tokens in    0.175 seconds, speed:   97.421 t/s
+0.00.634.336 I n_draft   = 7
+0.00.634.348 I n_predict = 17
+0.00.634.361 I n_drafted = 98
+0.00.634.374 I n_accept  = 12
+0.00.634.387 I accept    = 12.245%
+"""
+
+
+def test_parse_completion_text_and_speed():
+    r = peers.parse_completion(" return a\n\n  b\n\n", COMPLETION_STDERR)
+    assert r.text == " return a\n\n  b"
+    assert (r.n_tokens, r.decode_ms, r.prompt_ms, r.stopped) == (15, 8.5, 0.97, False)
+    assert r.tokens_per_second == pytest.approx(15 / 0.0085)
+
+
+def test_parse_completion_end_of_text():
+    r = peers.parse_completion(" done [end of text]\n\n\n", COMPLETION_STDERR)
+    assert (r.text, r.stopped) == (" done", True)
+
+
+def test_parse_completion_rejects_foreign_output():
+    with pytest.raises(peers.PeerError, match="eval time"):
+        peers.parse_completion("text\n\n", "nothing useful")
+    with pytest.raises(peers.PeerError, match="blank line"):
+        peers.parse_completion("truncated", COMPLETION_STDERR)
+
+
+def test_parse_speculative_strips_the_echoed_prompt():
+    prompt = "def f(x):\n    \"\"\"a\\nb\"\"\"\n"
+    r = peers.parse_speculative("\n\n" + prompt + "    return x\n\n", SPECULATIVE_STDERR, prompt, 16)
+    assert r.text == "    return x"
+    assert (r.n_tokens, r.decode_ms, r.prompt_ms, r.n_drafted, r.n_accept) == (17, 175.0, 3.0, 98, 12)
+    assert r.stopped is False  # 17 tokens > -n 16: it ran past -n, no end of generation
+    assert peers.parse_speculative("\n\n" + prompt + "\n\n", SPECULATIVE_STDERR, prompt, 32).stopped is True
+    with pytest.raises(peers.PeerError, match="echoed prompt"):
+        peers.parse_speculative("\n\nsomething else\n\n", SPECULATIVE_STDERR, prompt, 16)
+
+
+def test_peer_exactness_rule():
+    # the reference ran to -n: a peer that decoded further must start with it
+    assert text_matches("abc def", "abc", ref_stopped=False) == (True, None)
+    assert text_matches("abX def", "abc", ref_stopped=False) == (False, 2)
+    assert text_matches("ab", "abc", ref_stopped=False) == (False, 2)
+    # the reference stopped at end of generation: equal text only
+    assert text_matches("abc", "abc", ref_stopped=True) == (True, None)
+    assert text_matches("abc more", "abc", ref_stopped=True) == (False, 3)
+
+
+def test_prompt_files(tmp_path):
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "a", "prompt": "x\n"}) + "\n\n" + json.dumps("y") + "\n")
+    assert prompts.from_file(tmp_path / "p.jsonl") == [prompts.Prompt("a", "x\n"), prompts.Prompt("p/1", "y")]
+    (tmp_path / "p.json").write_text(json.dumps(["one", {"task_id": "t", "prompt": "two"}]))
+    assert prompts.from_file(tmp_path / "p.json") == [prompts.Prompt("p/0", "one"), prompts.Prompt("t", "two")]
+    (tmp_path / "p.txt").write_text("first\n\nsecond\n")
+    assert [p.text for p in prompts.from_file(tmp_path / "p.txt")] == ["first", "second"]
+
+
+def test_bad_prompt_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        prompts.load(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{oops\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: not a JSON value"):
+        prompts.from_file(tmp_path / "bad.jsonl")
+    (tmp_path / "noprompt.json").write_text('[{"text": "x"}]')
+    with pytest.raises(ValueError, match='prompt 0 is an object without a string "prompt" field'):
+        prompts.from_file(tmp_path / "noprompt.json")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(ValueError, match="holds no prompts"):
+        prompts.from_file(tmp_path / "empty.txt")
+
+
+def test_humaneval_and_spread():
+    he = prompts.humaneval()
+    assert len(he) == 164 and he[0].id == "HumanEval/0" and he[0].text.endswith("\n")
+    picked = prompts.spread(he, 5)
+    assert [p.id for p in picked] == ["HumanEval/0", "HumanEval/41", "HumanEval/82", "HumanEval/122",
+                                      "HumanEval/163"]
+    assert prompts.spread(he, None) == he
+    with pytest.raises(ValueError, match="--limit must be at least 1"):
+        prompts.spread(he, 0)
