@@ -1,0 +1,156 @@
+"""`dflash-llama parity`: layer-by-layer parity of a DFlash GGUF draft, three ways.
+
+    dflash-llama parity --target T.gguf --draft D.gguf [--draft-hf DIR] [--target-hf DIR] \\
+                        [--prompts FILE] --out reports/NAME/
+    dflash-llama parity --all [--only NAME,...] [--out reports/parity/]
+    dflash-llama parity --quant-study [--target T.gguf --draft-hf DIR] --out reports/NAME/quant/
+
+Writes parity.md, parity.json and parity.png into --out; exits 1 when a stage fails (2 for bad
+input). Method and bounds: docs/parity.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_LIMIT = 3
+DEFAULT_N_PREDICT = 32
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", type=Path, help="target GGUF")
+    p.add_argument("--draft", type=Path, help="DFlash draft GGUF")
+    p.add_argument("--draft-hf", type=Path, help="the draft's Hugging Face checkpoint: enables the converter "
+                                                 "stage and the target-layer check, and is the reference's weights")
+    p.add_argument("--target-hf", type=Path, help="the target's Hugging Face directory for the reference target "
+                                                  "(default: transformers' GGUF loader on --target, dequantised)")
+    p.add_argument("--prompts", default="humaneval",
+                   help="'humaneval' (default) or a prompt file (.jsonl/.json or one prompt per line)")
+    p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
+                   help=f"prompts used, spread over the set (default {DEFAULT_LIMIT})")
+    p.add_argument("-n", "--n-predict", type=int, default=DEFAULT_N_PREDICT,
+                   help=f"tokens generated per prompt in the end-to-end stage (default {DEFAULT_N_PREDICT})")
+    p.add_argument("--graph-prompts", type=int, default=2, help="prompts feeding the graph stage (default 2)")
+    p.add_argument("-t", "--threads", type=int, default=1, help="CPU threads (default 1)")
+    p.add_argument("--out", type=Path, help="output folder (reports/NAME/); with --all the parent of one "
+                                            "folder per pair (default reports/parity/)")
+    p.add_argument("--name", help="report name (default: the --out folder's name)")
+    p.add_argument("--no-native", action="store_true", help="skip llama.cpp's own DFlash graph and loop")
+    p.add_argument("--no-end-to-end", action="store_true", help="skip stage 4")
+    p.add_argument("--all", action="store_true", help="check every pair of the registry")
+    p.add_argument("--only", help="with --all: comma-separated pair names")
+    p.add_argument("--registry", type=Path, help="registry file (default: parity/registry.toml)")
+    p.add_argument("--quant-study", action="store_true",
+                   help="the draft at f32, f16, bf16, q8_0 and q4_0: intermediate errors and tau "
+                        "(default pair unless --target/--draft-hf are given)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _prompts(args):
+    from dflash_llama.bench import prompts
+
+    if args.limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {args.limit}")
+    return prompts.spread(prompts.load(args.prompts), args.limit)
+
+
+def _config(args, target, draft, draft_hf, target_hf, name):
+    from .stages import ParityConfig
+
+    if args.n_predict < 1:
+        raise ValueError(f"--n-predict must be at least 1, got {args.n_predict}")
+    return ParityConfig(target=Path(target), draft=Path(draft), draft_hf=draft_hf and Path(draft_hf),
+                        target_hf=target_hf and Path(target_hf), prompts=_prompts(args), name=name,
+                        n_predict=args.n_predict, graph_prompts=args.graph_prompts, n_threads=args.threads,
+                        native=not args.no_native, end_to_end=not args.no_end_to_end)
+
+
+def _summary(report: dict, paths: dict) -> str:
+    verdict = "PASS" if report["passed"] else "FAIL"
+    fd = report.get("first_divergence")
+    lines = [f"parity {report['name']}: {verdict}"]
+    for key, s in report["stages"].items():
+        lines.append(f"  {key:11s} {s['status']}")
+    if fd:
+        lines.append(f"  first divergence: {fd['message']}")
+    e2e = report["stages"]["end_to_end"]
+    if e2e.get("tau"):
+        lines.append("  tau: " + ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in e2e["tau"].items()))
+    lines.append(f"  report: {paths['md']}")
+    return "\n".join(lines)
+
+
+def run_one(args, target, draft, draft_hf, target_hf, out: Path, name: str, note: str | None = None) -> dict:
+    from . import report as R
+    from .stages import run_parity
+
+    report = run_parity(_config(args, target, draft, draft_hf, target_hf, name), progress_bar=not args.quiet)
+    if note:
+        report["name"] = f"{name} ({note})"
+    paths = R.write(report, out)
+    print(_summary(report, paths))
+    return report
+
+
+def main(args) -> int:
+    try:
+        if args.quant_study:
+            from .quant_study import main as quant_main
+
+            return quant_main(args)
+        if args.all:
+            return _main_all(args)
+        missing = [f for f in ("target", "draft", "out") if getattr(args, f) is None]
+        if missing:
+            print(f"dflash-llama parity: error: --{' --'.join(missing)} required (or --all)", file=sys.stderr)
+            return 2
+        report = run_one(args, args.target, args.draft, args.draft_hf, args.target_hf, args.out,
+                         args.name or args.out.resolve().name)
+        return 0 if report["passed"] else 1
+    except (FileNotFoundError, ValueError) as e:
+        print(f"dflash-llama parity: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main_all(args) -> int:
+    from . import registry
+
+    pairs, defaults = registry.load(args.registry or registry.REGISTRY_PATH)
+    if args.only:
+        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = sorted(set(wanted) - {p.name for p in pairs})
+        if unknown:
+            raise ValueError(f"--only: no registry pair named {', '.join(unknown)}")
+        pairs = [p for p in pairs if p.name in wanted]
+    out_root = args.out or Path("reports") / "parity"
+    rows, ok = [], True
+    for pair in pairs:
+        res = registry.resolve(pair, defaults)
+        if res.skip:
+            print(f"parity {pair.name}: skipped ({res.skip})")
+            rows.append((pair.name, "skipped", res.skip))
+            continue
+        note = "placeholder: random SmolLM2-shaped draft, the trained draft does not exist yet" \
+            if res.placeholder else None
+        report = run_one(args, res.target, res.draft, res.draft_hf, res.target_hf, out_root / pair.name,
+                         pair.name, note)
+        got = "pass" if report["passed"] else "fail"
+        if got == pair.expect:
+            verdict = got if pair.expect == "pass" else f"fail as expected ({pair.finding})"
+        else:
+            ok = False
+            verdict = (f"UNEXPECTED {got}" + (f": expected to fail ({pair.finding}); update the registry"
+                                              if pair.expect == "fail" else ""))
+        fd = report.get("first_divergence")
+        rows.append((pair.name, verdict, fd["message"] if fd else ""))
+    out_root.mkdir(parents=True, exist_ok=True)
+    lines = ["# Parity: every registry pair", "", "| pair | result | first divergence |", "|---|---|---|"]
+    lines += [f"| [{n}]({n}/parity.md) | {v} | {d.replace('|', '/')} |" for n, v, d in rows]
+    (out_root / "summary.md").write_text("\n".join(lines) + "\n")
+    (out_root / "summary.json").write_text(json.dumps(
+        [{"pair": n, "result": v, "first_divergence": d} for n, v, d in rows], indent=1) + "\n")
+    print(f"parity --all: {'OK' if ok else 'FAILED'} ({out_root / 'summary.md'})")
+    return 0 if ok else 1

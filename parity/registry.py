@@ -1,0 +1,155 @@
+"""The registry of model pairs (parity/registry.toml) and the files each pair needs, built on demand.
+
+Tiny fixtures and the random SmolLM2-shaped placeholder draft are built from seeds into a cache
+folder (`$DFLASH_LLAMA_CACHE`, else `~/.cache/dflash-llama`), once; GGUFs are converted with our
+converter. A `files` pair whose files are missing is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REGISTRY_PATH = Path(__file__).with_name("registry.toml")
+
+
+@dataclass
+class Pair:
+    name: str
+    kind: str  # "fixture", "default", "files"
+    outtype: str | None = None
+    draft_cfg: dict = field(default_factory=dict)
+    target: str | None = None
+    draft: str | None = None
+    draft_hf: str | None = None
+    target_hf: str | None = None
+    expect: str = "pass"
+    finding: str | None = None
+
+
+@dataclass
+class Resolved:
+    """The files of a pair, ready for `ParityConfig`; `skip` says why a pair cannot run."""
+    pair: Pair
+    target: Path | None = None
+    draft: Path | None = None
+    draft_hf: Path | None = None
+    target_hf: Path | None = None
+    placeholder: bool = False  # the default pair with the random stand-in draft
+    skip: str | None = None
+
+
+def load(path: str | os.PathLike = REGISTRY_PATH) -> tuple[list[Pair], dict]:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"{path}: cannot read the parity registry ({e})") from e
+    pairs = []
+    for i, raw in enumerate(data.get("pair", [])):
+        if "name" not in raw or raw.get("kind") not in ("fixture", "default", "files"):
+            raise ValueError(f"{path}: pair {i} needs a name and kind = fixture, default or files")
+        pairs.append(Pair(name=raw["name"], kind=raw["kind"], outtype=raw.get("outtype"),
+                          draft_cfg=dict(raw.get("draft", {})) if raw["kind"] == "fixture" else {},
+                          target=raw.get("target"), draft=raw.get("draft") if raw["kind"] == "files" else None,
+                          draft_hf=raw.get("draft_hf"), target_hf=raw.get("target_hf"),
+                          expect=raw.get("expect", "pass"), finding=raw.get("finding")))
+    names = [p.name for p in pairs]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"{path}: pair names must be unique, repeated: {sorted(dup)}")
+    return pairs, data.get("default", {})
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("DFLASH_LLAMA_CACHE") or Path.home() / ".cache" / "dflash-llama"
+    out = Path(root) / "parity"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def default_draft_dir(defaults: dict) -> Path:
+    import dflash_llama
+
+    return Path(dflash_llama.__file__).resolve().parent / "data" / defaults.get("draft_dir", "smollm2-135m-dflash")
+
+
+def _expand(p: str | None) -> Path | None:
+    return None if p is None else Path(os.path.expandvars(os.path.expanduser(p)))
+
+
+def tiny_target(cache: Path) -> tuple[Path, Path]:
+    """The tiny fixture target: (HF dir, f32 GGUF), built once."""
+    from dflash_llama import fixtures
+
+    hf, gguf = cache / "tiny-target-hf", cache / "tiny-target-f32.gguf"
+    if not (hf / "config.json").exists():
+        fixtures.tiny_target_hf(hf)
+    if not gguf.exists():
+        fixtures.tiny_target_gguf(hf, gguf.with_suffix(".tmp"), outtype="f32")
+        gguf.with_suffix(".tmp").rename(gguf)
+    return hf, gguf
+
+
+def random_smollm2_draft_hf(out: Path, target_gguf: Path, cfg: dict) -> Path:
+    """A random DFlash draft shaped for SmolLM2 (the placeholder until the trained one exists)."""
+    from dflash_llama import fixtures, gguf_info
+
+    if (out / "model.safetensors").exists():
+        return out
+    info = gguf_info(target_gguf)
+    shape = out.with_name(out.name + "-target-shape")
+    shape.mkdir(parents=True, exist_ok=True)  # tiny_draft_hf reads the target's shape from here
+    n_vocab = len(info.metadata["tokenizer.ggml.tokens"])
+    (shape / "config.json").write_text(json.dumps({"hidden_size": int(info.get("embedding_length")),
+                                                   "num_hidden_layers": int(info.block_count),
+                                                   "vocab_size": n_vocab}))
+    draft_cfg = fixtures.TinyDraftConfig(rope_theta=float(info.get("rope.freq_base", 10000.0)), **cfg)
+    fixtures.tiny_draft_hf(out, shape, draft_cfg)
+    return out
+
+
+def _converted(hf: Path, target: Path, out: Path, outtype: str) -> Path:
+    from dflash_llama.converter import convert
+
+    if not out.exists() or out.stat().st_mtime < (hf / "model.safetensors").stat().st_mtime:
+        tmp = out.with_suffix(".tmp.gguf")
+        convert(hf, target, tmp, outtype=outtype)
+        tmp.rename(out)
+    return out
+
+
+def resolve(pair: Pair, defaults: dict, cache: Path | None = None) -> Resolved:
+    """Build (or find) the files of a pair."""
+    from dflash_llama import fixtures
+
+    cache = cache or cache_dir()
+    if pair.kind == "fixture":
+        target_hf, target = tiny_target(cache)
+        cfg = fixtures.TinyDraftConfig(**pair.draft_cfg)
+        hf = cache / f"{pair.name}-draft-hf"
+        if not (hf / "model.safetensors").exists():
+            fixtures.tiny_draft_hf(hf, target_hf, cfg)
+        draft = _converted(hf, target, cache / f"{pair.name}-draft-{pair.outtype}.gguf", pair.outtype)
+        return Resolved(pair, target=target, draft=draft, draft_hf=hf, target_hf=target_hf)
+    if pair.kind == "default":
+        target = fixtures.smollm2_gguf()
+        hf = default_draft_dir(defaults)
+        placeholder = not (hf / "config.json").exists()
+        if placeholder:
+            hf = random_smollm2_draft_hf(cache / "smollm2-random-draft-hf", target, defaults.get("placeholder", {}))
+        stem = "smollm2-random-draft" if placeholder else "smollm2-default-draft"
+        draft = _converted(hf, target, cache / f"{stem}-{pair.outtype}.gguf", pair.outtype)
+        return Resolved(pair, target=target, draft=draft, draft_hf=hf, placeholder=placeholder)
+    # files
+    paths = {k: _expand(getattr(pair, k)) for k in ("target", "draft", "draft_hf", "target_hf")}
+    for key in ("target", "draft"):
+        if paths[key] is None:
+            raise ValueError(f"registry pair {pair.name}: kind = files needs {key}")
+    missing = [str(p) for k, p in paths.items() if p is not None and not p.exists()]
+    if missing:
+        return Resolved(pair, skip=f"not on disk: {', '.join(missing)}")
+    return Resolved(pair, **paths)
