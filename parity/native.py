@@ -111,7 +111,9 @@ def speculative_simple(target: str | os.PathLike, draft: str | os.PathLike, prom
         out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         err, rc = f"timed out after {timeout:.0f} s", 124
     stats = {k: int(v) for k, v in _STAT.findall(out + "\n" + err)}
-    tail = "\n".join((err or out).strip().splitlines()[-8:])
+    lines = (err or out).strip().splitlines()
+    failed = [ln for ln in lines if "GGML_ASSERT" in ln or "error" in ln.lower()]
+    tail = "\n".join(failed[-3:] if rc != 0 and failed else lines[-8:])
     return NativeSpeculative(text=_generated_text(out, prompt), n_predict=stats.get("n_predict", 0),
                              n_drafted=stats.get("n_drafted", 0), n_accept=stats.get("n_accept", 0),
                              returncode=rc, log_tail=tail)

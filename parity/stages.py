@@ -281,19 +281,26 @@ def stage_end_to_end(cfg: ParityConfig, rt_e2e, rt, native, reference_target, re
                             "first_mismatch": _first_mismatch(r_spec.tokens, r_ar.tokens),
                             "same_tokens_as_runtime": r_ar.tokens == ar.tokens}
 
-        # llama.cpp's draft-dflash loop
+        # llama.cpp's draft-dflash loop, against the same tool drafting nothing (one token per
+        # target decode): its prompt handling (the last prompt token decoded with the first block)
+        # is its own, and CPU flash attention is not batch-invariant, so its greedy text is the
+        # fair baseline; agreement with our runtime's text is reported apart
         if native is not None:
-            ns = speculative_simple(cfg.target, cfg.draft, text, n, block - 1, n_threads=cfg.n_threads,
-                                    n_ctx=max(512, len(tokens) + n + 2 * block))
-            if ns.ok:
+            n_ctx = max(512, len(tokens) + n + 2 * block)
+            ns = speculative_simple(cfg.target, cfg.draft, text, n, block - 1, n_threads=cfg.n_threads, n_ctx=n_ctx)
+            plain = speculative_simple(cfg.target, cfg.draft, text, n, 0, n_threads=cfg.n_threads, n_ctx=n_ctx) \
+                if ns.ok else None
+            if ns.ok and plain.ok:
+                k = min(len(ns.text), len(plain.text))
                 ar_text = rt_e2e.detokenize(ar.tokens)
-                k = min(len(ns.text), len(ar_text))
-                row["native"] = {"tau": ns.tau, "greedy_exact": k > 0 and ns.text[:k] == ar_text[:k],
+                m = min(len(ns.text), len(ar_text))
+                row["native"] = {"tau": ns.tau, "greedy_exact": k > 0 and ns.text[:k] == plain.text[:k],
                                  "n_tokens": ns.n_predict, "n_drafted": ns.n_drafted, "n_accept": ns.n_accept,
-                                 "compared_chars": k}
+                                 "compared_chars": k, "same_text_as_runtime": ns.text[:m] == ar_text[:m]}
             else:
+                bad = ns if not ns.ok else plain
                 row["native"] = {"tau": None, "greedy_exact": False, "error":
-                                 f"llama-speculative-simple exited with code {ns.returncode}: {ns.log_tail}"}
+                                 f"llama-speculative-simple exited with code {bad.returncode}:\n{bad.log_tail}"}
 
         # drafted-token agreement: replay the runtime's first steps through all three drafts
         full = tokens + spec.tokens
@@ -332,8 +339,11 @@ def stage_end_to_end(cfg: ParityConfig, rt_e2e, rt, native, reference_target, re
                       "native tau = n_predict / (n_predict - n_accept) from llama-speculative-simple's log; "
                       "its first block is anchored on the last prompt token (the published loop samples "
                       "the first token from the prefill)",
-                      "native greedy_exact compares its text with our runtime's autoregressive text over "
-                      "the shorter of the two"]}
+                      "native greedy_exact compares llama-speculative-simple's text with the same tool's "
+                      "text at --spec-draft-n-max 0 (no drafts, one token per target decode), over the "
+                      "shorter of the two; same_text_as_runtime tells whether it also equals our runtime's "
+                      "autoregressive text (it need not: the tool decodes the last prompt token together "
+                      "with the first block, and CPU flash attention is not batch-invariant)"]}
 
 
 def _first_mismatch(a: list[int], b: list[int]) -> int | None:
@@ -386,8 +396,10 @@ def first_divergence(report: dict) -> dict | None:
                    and first_reader(t["name"]) == name]
         if kind == "graph":
             out.update(pair=entry["pair"], error=entry["error"], bound=entry["bound"])
-            msg = (f"{name}: {entry['pair']} relative error {_fmt(entry['error'])} > bound {_fmt(entry['bound'])}; "
-                   + ", ".join(f"{p} {_fmt(e)}" for p, e in errs.items() if e is not None))
+            others = [f"{p} {_fmt(e)}" for p, e in errs.items() if e is not None and p != entry["pair"]]
+            msg = (f"{name} (draft layer {layer_of(name)})" if layer_of(name) is not None else name) + \
+                f": {entry['pair']} relative error {_fmt(entry['error'])} > bound {_fmt(entry['bound'])}" + \
+                (f"; {', '.join(others)}" if others else "")
             same = errs.get("runtime/native")
             if same is not None and same <= bounds.get("runtime/native", 0) and entry["pair"] != "runtime/native":
                 msg += " (runtime and llama.cpp agree: the draft's weights or settings differ from the reference's)"
@@ -416,6 +428,7 @@ def first_divergence(report: dict) -> dict | None:
         if not ok:
             bad = next(r for r in e2e["prompts"] if not r[impl]["greedy_exact"])
             why = bad[impl].get("error") or f"first differing token at {bad[impl].get('first_mismatch')}"
+            why = why.strip().splitlines()[-1] if bad[impl].get("error") else why
             return {"stage": "end_to_end", "name": f"{impl} greedy output", "layer": None,
                     "message": f"{impl}: greedy speculative output differs from greedy target output on "
                                f"{bad['prompt']} ({why})"}
