@@ -1,0 +1,174 @@
+"""Where the pinned llama.cpp's DFlash path disagrees with the published model: one small,
+runnable reproduction per finding of docs/upstream_status.md.
+
+    python -m dflash_llama.parity.findings            # all
+    python -m dflash_llama.parity.findings U3 U5      # some
+
+Each prints what it measured and whether the divergence is present; the exit status is the number
+of findings reproduced (0 once llama.cpp has fixed them all). Tiny fixtures are built on demand
+into the parity cache folder (`$DFLASH_LLAMA_CACHE`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+def _tiny(name: str, **draft):
+    """(target HF dir, target GGUF, draft HF dir, draft GGUF f32) for a tiny draft config."""
+    from dflash_llama import fixtures
+    from dflash_llama.converter import convert
+
+    from . import registry
+
+    cache = registry.cache_dir()
+    target_hf, target = registry.tiny_target(cache)
+    hf = cache / f"finding-{name}-hf"
+    if not (hf / "model.safetensors").exists():
+        fixtures.tiny_draft_hf(hf, target_hf, fixtures.TinyDraftConfig(**draft))
+    gguf = cache / f"finding-{name}-f32.gguf"
+    if not gguf.exists():
+        convert(hf, target, gguf, outtype="f32")
+    return target_hf, target, hf, gguf
+
+
+def _traces(target, gguf, hf, block_len=None):
+    import torch
+
+    import dflash_llama
+    from dflash_llama.reference.checkpoint import load_draft
+    from dflash_llama.reference.train import target_weights_from_gguf
+
+    from .graph import reference_trace
+    from .native import NativeDraft
+
+    torch.set_num_threads(1)
+    rt = dflash_llama.Runtime(target, gguf, n_threads=1, n_ctx=256, kv_f32=True)
+    native = NativeDraft(rt, gguf, n_ctx=256, n_threads=1)
+    tokens = rt.tokenize(PROMPT)
+    feats = rt.capture(tokens[:-1])
+    block = [tokens[-1]] + [rt.mask_token_id] * ((block_len or rt.block_size) - 1)
+    tw = target_weights_from_gguf(target)
+    ref = reference_trace(load_draft(hf, tw.embed_tokens, tw.lm_head), feats, block)
+    return rt, native, feats, block, ref, rt.trace_draft(feats, block), native.trace(feats, block)
+
+
+def u1_converter_default_layers() -> bool:
+    """U1: the pinned converter writes no dflash.target_layers for a draft whose config relies on
+    the default taps, and llama.cpp then refuses the file."""
+    from dflash_llama import fixtures, gguf_info
+
+    target_hf, target, hf, _ = _tiny("u1", layers=2, block_size=8, seed=41)  # no target_layer_ids
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "pinned.gguf"
+        fixtures.run_pinned_converter([str(hf), "--target-model-dir", str(target_hf), "--outfile", str(out),
+                                       "--outtype", "f32"])
+        has = "dflash.target_layers" in gguf_info(out).metadata
+        r = _speculative_simple(target, out)
+    print(f"U1: pinned convert_hf_to_gguf.py wrote dflash.target_layers: {has}; llama-speculative-simple "
+          f"exit code {r.returncode}: {_last(r, 'target_layers')}")
+    return not has and r.returncode != 0
+
+
+def u2_last_layer_tap() -> bool:
+    """U2: a tap on the target's last layer aborts draft-dflash (no input tensor for layer n_layer)."""
+    _, target, _, gguf = _tiny("u2", layers=1, target_layer_ids=[3], block_size=4, seed=42)
+    r = _speculative_simple(target, gguf)
+    print(f"U2: tap on target layer 3 of 4: llama-speculative-simple exit code {r.returncode}: "
+          f"{_last(r, 'GGML_ASSERT')}")
+    return r.returncode != 0 and "layer input tensor is null" in r.stderr
+
+
+def u3_sliding_layers_non_causal() -> bool:
+    """U3: sliding-window draft layers are causal in the published model, not in llama.cpp."""
+    from .graph import rel_err
+
+    _, target, hf, gguf = _tiny("u3", layers=2, heads=4, kv_heads=1, target_layer_ids=[0, 2], block_size=8,
+                                seed=43, layer_types=["full_attention", "sliding_attention"], sliding_window=4)
+    *_, ref, ours, native = _traces(target, gguf, hf)
+    e_rt, e_nat = rel_err(ref["ffn_inp-1"], ours["ffn_inp-1"]), rel_err(ref["ffn_inp-1"], native["ffn_inp-1"])
+    print(f"U3: sliding layer 1, ffn_inp-1 vs reference: runtime {e_rt:.1e}, llama.cpp {e_nat:.1e}")
+    return e_nat > 1e-2 and e_rt < 1e-4
+
+
+def u4_logit_scale_ignored() -> bool:
+    """U4: dflash.logit_scale and dflash.final_logit_softcapping are not applied to DFlash 1 drafts
+    anywhere (graph or sampler): draft-dflash's --spec-draft-p-min sees raw probabilities."""
+    _, target, hf, gguf = _tiny("u4", layers=1, target_layer_ids=[1], block_size=8, seed=44,
+                                extra_config={"output_multiplier": 0.25, "final_logit_softcapping": 2.0})
+    rt, native, feats, block, ref, ours, nat = _traces(target, gguf, hf)
+    from dflash_llama.reference.checkpoint import load_draft
+
+    raw = nat["result_output"].reshape(len(block), -1)[1:]
+    published = load_draft(gguf).finish_logits(__import__("torch").from_numpy(raw)).numpy()
+    p_raw, p_pub = _top_p(raw), _top_p(published)
+    print(f"U4: logit_scale 0.25, softcap 2.0: top-token probability (top-10 softmax, what "
+          f"--spec-draft-p-min compares) draft-dflash {p_raw.mean():.3f}, published logits {p_pub.mean():.3f} "
+          f"(mean over the block)")
+    return bool(np.abs(p_raw - p_pub).max() > 1e-2)
+
+
+def u5_block_length() -> bool:
+    """U5: draft-dflash runs a block of --spec-draft-n-max + 1 tokens, not the trained block size; with
+    non-causal attention over the block, a shorter block drafts other tokens."""
+    from .graph import drafted_tokens
+
+    _, target, hf, gguf = _tiny("u5", layers=2, target_layer_ids=[1, 2], block_size=8, seed=45)
+    rt, native, feats, block, *_ = _traces(target, gguf, hf)
+    full = drafted_tokens(native.trace(feats, block), rt.n_vocab)[:3]
+    short = drafted_tokens(native.trace(feats, block[:4]), rt.n_vocab)[:3]
+    n_full = native.trace(feats, block)["l_out-1"].reshape(len(block), -1)[1:4]
+    n_short = native.trace(feats, block[:4])["l_out-1"].reshape(4, -1)[1:4]
+    diff = float(np.linalg.norm(n_full - n_short) / np.linalg.norm(n_full))
+    print(f"U5: first 3 drafted tokens with the trained block of 8: {full}; with --spec-draft-n-max 3 "
+          f"(block of 4): {short}; l_out-1 at those positions differs by {diff:.1e}")
+    return diff > 1e-3
+
+
+FINDINGS = {"U1": u1_converter_default_layers, "U2": u2_last_layer_tap, "U3": u3_sliding_layers_non_causal,
+            "U4": u4_logit_scale_ignored, "U5": u5_block_length}
+
+
+def _top_p(logits: np.ndarray, k: int = 10) -> np.ndarray:
+    """Probability of the top token among the top k, as draft-dflash's top-k 10 sampler computes it."""
+    top = np.sort(logits, axis=-1)[:, -k:]
+    z = np.exp(top - top[:, -1:])
+    return z[:, -1] / z.sum(-1)
+
+
+def _speculative_simple(target, draft) -> subprocess.CompletedProcess:
+    from dflash_llama import paths
+
+    return subprocess.run([str(paths.tool("llama-speculative-simple")), "-m", str(target), "-md", str(draft),
+                           "--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-p", PROMPT, "-n", "8",
+                           "--temp", "0", "-c", "256", "-t", "1"], capture_output=True, text=True, errors="replace")
+
+
+def _last(r: subprocess.CompletedProcess, key: str) -> str:
+    lines = [ln.strip() for ln in r.stderr.splitlines() if key in ln]
+    return lines[-1] if lines else (r.stderr.strip().splitlines() or ["ok"])[-1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    names = (argv if argv is not None else sys.argv[1:]) or list(FINDINGS)
+    unknown = [n for n in names if n not in FINDINGS]
+    if unknown:
+        print(f"unknown finding(s) {', '.join(unknown)}; known: {', '.join(FINDINGS)}", file=sys.stderr)
+        return 255
+    reproduced = 0
+    for name in names:
+        present = FINDINGS[name]()
+        print(f"{name}: {'REPRODUCED' if present else 'not reproduced (fixed?)'}")
+        reproduced += present
+    return reproduced
+
+
+if __name__ == "__main__":
+    sys.exit(main())

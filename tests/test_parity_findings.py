@@ -1,0 +1,40 @@
+"""The reproductions of docs/upstream_status.md run and reproduce on the pinned llama.cpp (when a
+finding gets fixed upstream, its test fails: update the document and the registry)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_llama.parity import findings
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DFLASH_LLAMA_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield
+    mp.undo()
+
+
+def test_u1_pinned_converter_drops_default_taps(capsys):
+    assert findings.u1_converter_default_layers()
+    out = capsys.readouterr().out
+    assert "wrote dflash.target_layers: False" in out
+    assert "DFlash model requires 'target_layers' in GGUF metadata" in out
+
+
+def test_u4_logit_scale_and_softcap_not_applied(capsys):
+    assert findings.u4_logit_scale_ignored()
+    assert "draft-dflash 0.249, published logits 0.114" in capsys.readouterr().out
+
+
+def test_u5_block_length_changes_drafts(capsys):
+    assert findings.u5_block_length()
+    assert "l_out-1 at those positions differs by 4.1e-01" in capsys.readouterr().out
+
+
+def test_main_counts_and_refuses_unknown(capsys):
+    assert findings.main(["U4", "U5"]) == 2
+    assert capsys.readouterr().out.count("REPRODUCED") == 2
+    assert findings.main(["U9"]) == 255
+    assert "unknown finding(s) U9; known: U1, U2, U3, U4, U5" in capsys.readouterr().err

@@ -1,0 +1,120 @@
+"""A clean pair passes every stage; the report renders; parity.json follows the documented schema;
+the bounds table in docs/parity.md is the one the harness uses."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from dflash_llama.converter import gguf_layout as L
+from dflash_llama.parity import bounds as B
+from dflash_llama.parity import report as R
+from dflash_llama.parity.graph import first_reader, graph_order
+from dflash_llama.parity.stages import ParityConfig, layer_check, run_parity
+
+from parity_helpers import PROMPTS, tiny_draft
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "parity.md"
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory, tiny_target_hf, tiny_target_gguf):
+    hf, gguf = tiny_draft(tmp_path_factory, tiny_target_hf, tiny_target_gguf, name="clean")
+    cfg = ParityConfig(target=tiny_target_gguf, draft=gguf, draft_hf=hf, prompts=PROMPTS, name="clean",
+                       n_predict=10, graph_prompts=2, agreement_steps=3)
+    report = run_parity(cfg, progress_bar=False)
+    out = tmp_path_factory.mktemp("report")
+    return report, R.write(report, out)
+
+
+def test_clean_pair_passes_every_stage(clean):
+    r, _ = clean
+    assert r["passed"] and r["first_divergence"] is None
+    assert {k: s["status"] for k, s in r["stages"].items()} == {
+        "converter": "pass", "capture": "pass", "graph": "pass", "end_to_end": "pass"}
+    assert r["types"] == {"draft": "f32", "target": "f32", "head": "f32", "head_category": "f32"}
+    assert r["inputs"]["reference_weights"] == "hf"
+    g = r["stages"]["graph"]
+    assert g["names"] == graph_order(2) and not g["missing"]
+    assert max(g["errors"]["reference/runtime"].values()) < 1e-5
+    assert max(g["errors"]["runtime/native"].values()) < 1e-5
+    cap = r["stages"]["capture"]
+    assert cap["reference"] == "gguf" and [row["tap"] for row in cap["layers"]] == [False, True, True, False]
+    assert max(row["error"] for row in cap["layers"]) < 1e-5
+    e = r["stages"]["end_to_end"]
+    assert e["greedy_exact"] == {"reference": True, "runtime": True, "native": True}
+    assert set(e["tau"]) == {"reference", "runtime", "native"} and all(t >= 1.0 for t in e["tau"].values())
+    assert e["draft_agreement"]["runtime/native"] == 1.0
+    assert e["draft_agreement"]["reference/runtime"] == 1.0
+    assert [row["prompt"] for row in e["prompts"]] == ["fib", "stack"]
+    assert all(row["runtime"]["n_tokens"] == 10 for row in e["prompts"])
+
+
+def test_report_files_and_schema(clean):
+    r, paths = clean
+    data = json.loads(paths["json"].read_text())
+    R.validate(data)
+    md = paths["md"].read_text()
+    assert "Result: PASS" in md and "First divergence: none" in md
+    assert "| `blk.1.ffn_down.weight` | f32 | 0.0e+00 | 0.0e+00 | 1.0e-07 | yes |" in md
+    png = paths["png"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    broken = copy.deepcopy(data)
+    broken["stages"]["graph"]["status"] = "ok"
+    with pytest.raises(jsonschema.ValidationError):
+        R.validate(broken)
+    broken = copy.deepcopy(data)
+    broken["stages"]["graph"]["errors"]["reference/runtime"]["fc_out"] = -1.0
+    with pytest.raises(jsonschema.ValidationError):
+        R.validate(broken)
+    del data["first_divergence"]
+    with pytest.raises(jsonschema.ValidationError, match="'first_divergence' is a required property"):
+        R.validate(data)
+
+
+def test_docs_table_is_the_bounds_table():
+    rows = {}
+    for line in DOCS.read_text().splitlines():
+        m = re.match(r"\| `(\w+)`[^|]*\|((?: *[0-9.e+-]+ *\|){6})", line)
+        if m:
+            rows[m.group(1)] = [float(x) for x in m.group(2).strip(" |").split("|")]
+    assert set(rows) == set(B.BOUNDS)
+    for cat, b in B.BOUNDS.items():
+        assert rows[cat] == [b.weights, b.capture, b.capture_hf, b.graph, b.graph_same, b.head], cat
+
+
+def test_categories():
+    assert [B.category(t) for t in ("F32", "f16", "bf16", "q8_0", "q4_0", "q4_K", "q6_K", "iq4_nl")] == \
+        ["f32", "f16", "bf16", "q8_0", "q4", "q4", "q4", "q4"]
+    with pytest.raises(ValueError, match="no parity bound for tensor type 'i32'"):
+        B.category("i32")
+    smollm2 = {"token_embd.weight": "q8_0", "blk.0.attn_q.weight": "q4_1", "blk.0.attn_norm.weight": "f32"}
+    assert B.file_category(smollm2) == "q4"
+    assert B.file_category({"fc.weight": "f16", "output_norm.weight": "f32", "token_embd.weight": "q4_0"},
+                           skip=("token_embd.weight",)) == "f16"
+
+
+def test_layer_check_messages():
+    assert layer_check([1, 8], [1, 8])["status"] == "pass"
+    assert layer_check([1, 8], None)["status"] == "skipped"
+    minus = layer_check([0, 7], [1, 8])
+    assert (minus["status"], minus["shift"]) == ("fail", -1) and "without the + 1" in minus["message"]
+    plus = layer_check([2, 9], [1, 8])
+    assert plus["shift"] == 1 and "applied twice" in plus["message"]
+    other = layer_check([1, 5], [1, 8])
+    assert other["message"].startswith("target layers differ") and "shift" not in other
+
+
+def test_first_reader_covers_every_tensor():
+    for spec in L.TENSORS:
+        name = spec.gguf.format(bid=3)
+        reader = first_reader(name)
+        assert reader is not None, name
+        assert reader in graph_order(4), (name, reader)
+    assert first_reader("blk.1.attn_k.weight") == "Kcur_injected-1"
+    assert first_reader("blk.0.ffn_norm.weight") == "ffn_norm-0"
