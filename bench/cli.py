@@ -15,7 +15,7 @@ import os
 import shlex
 import signal
 import sys
-import tempfile
+import time
 from pathlib import Path
 
 # Chosen so that the full default run (all methods, the cost model, the server at three
@@ -23,16 +23,7 @@ from pathlib import Path
 DEFAULT_LIMIT = 12
 DEFAULT_N = 128
 DEFAULT_BLOCK_SIZES = "2,4,8,16"
-DEFAULT_DRAFT_NAME = "smollm2-135m-dflash"
-
-
-def default_draft_dir() -> Path:
-    """Where the embedded default draft lives: dflash_llama/data/<name>/."""
-    import dflash_llama
-
-    return Path(dflash_llama.__file__).resolve().parent / "data" / DEFAULT_DRAFT_NAME
-
-
+DEFAULT_BUDGET_MIN = 20.0
 def _int_list(text: str, what: str, minimum: int) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -83,6 +74,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also benchmark llama-server with native DFlash at --server-concurrency (default: on)")
     p.add_argument("--server-concurrency", default="1,2,4", type=lambda t: _int_list(t, "--server-concurrency", 1),
                    help="concurrent requests per serving level (default 1,2,4)")
+    p.add_argument("--server-prompts", type=int, default=8,
+                   help="benchmark prompts sent to the server at each concurrency level (default 8)")
+    p.add_argument("--budget-min", type=float, default=DEFAULT_BUDGET_MIN,
+                   help=f"stop taking new prompts when the run would exceed this many minutes "
+                        f"(default {DEFAULT_BUDGET_MIN:g}; 0 = no limit)")
     p.add_argument("--pilot-prompts", type=int, default=3,
                    help="prompts (outside the benchmark set when possible) for the cost model (default 3)")
     p.add_argument("--calibration-tokens", type=int, default=32,
@@ -95,106 +91,130 @@ def _ngram_types() -> tuple[str, ...]:
     return NGRAM_TYPES
 
 
-def resolve_draft(draft: str | None, target: str, workdir: Path) -> tuple[str, str]:
-    """(GGUF path, name) for --draft: a GGUF, a folder with one GGUF, or an HF checkpoint to convert."""
-    path = Path(draft) if draft else default_draft_dir()
-    if draft is None and not path.exists():
-        raise FileNotFoundError(f"no --draft given and the default draft {path} does not exist yet: pass --draft")
+def resolve_draft(draft: str | None, target: str) -> tuple[str, str]:
+    """(GGUF path, name) for --draft: a GGUF, a folder holding one, or an HF checkpoint (converted to
+    f16 and cached, as `dflash-llama run` does, so both commands decode with the same file)."""
+    from dflash_llama.run_cli import DEFAULT_DRAFT, draft_gguf
+
+    path = Path(draft) if draft else DEFAULT_DRAFT
     if not path.exists():
+        if draft is None:
+            raise FileNotFoundError(f"no --draft given and the default draft {path} does not exist yet: pass --draft")
         raise FileNotFoundError(f"--draft {path}: no such file or folder")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"--draft {path}: expected a .gguf file or a folder")
         return str(path), path.stem
+    if (path / "config.json").exists():
+        return str(draft_gguf(path, Path(target))), path.name
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
         return str(ggufs[0]), path.name
     if len(ggufs) > 1:
         raise ValueError(f"--draft {path} holds {len(ggufs)} GGUF files: name the one to use")
-    if not (path / "config.json").exists():
-        raise ValueError(f"--draft {path}: neither a GGUF nor a Hugging Face checkpoint (no config.json)")
-    from dflash_llama.converter import convert
-
-    out = convert(path, target, workdir / f"{path.name}.gguf", outtype="auto")
-    return str(out), path.name
+    raise ValueError(f"--draft {path}: neither a GGUF nor a Hugging Face checkpoint (no config.json)")
 
 
 def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def main(args: argparse.Namespace) -> int:
+def command_line(args: argparse.Namespace, target: str, draft_arg: str | None, out: Path) -> str:
+    """The run's command with every setting spelled out, so a report says exactly what produced it."""
+    parts = ["dflash-llama", "bench", "--target", target]
+    if draft_arg:
+        parts += ["--draft", draft_arg]
+    parts += ["--prompts", args.prompts, "--limit", str(args.limit), "-n", str(args.n_predict),
+              "--block-sizes", ",".join(map(str, args.block_sizes)), "--draft-max", str(args.draft_max),
+              "-t", str(args.threads), "-c", str(args.ctx_size), "--ngram-types", args.ngram_types,
+              "--pilot-prompts", str(args.pilot_prompts), "--calibration-tokens", str(args.calibration_tokens)]
+    if args.no_native:
+        parts.append("--no-native")
+    parts += ["--server", "--server-concurrency", ",".join(map(str, args.server_concurrency)),
+              "--server-prompts", str(args.server_prompts)] if args.server else ["--no-server"]
+    parts += ["--budget-min", f"{args.budget_min:g}"]
+    parts += ["--out", str(out)]
+    return " ".join(shlex.quote(x) for x in parts)
+
+
+def _check(args: argparse.Namespace) -> list[str]:
+    for name, value, low in (("-n", args.n_predict, 2), ("--threads", args.threads, 1),
+                             ("--ctx-size", args.ctx_size, 64), ("--pilot-prompts", args.pilot_prompts, 1),
+                             ("--calibration-tokens", args.calibration_tokens, 4), ("--limit", args.limit, 0),
+                             ("--server-prompts", args.server_prompts, 1), ("--budget-min", args.budget_min, 0)):
+        if value < low:
+            raise ValueError(f"{name} must be at least {low}, got {value}")
+    ngram = [] if args.ngram_types == "none" else [t for t in args.ngram_types.split(",") if t]
+    bad = [t for t in ngram if t not in _ngram_types()]
+    if bad:
+        raise ValueError(f"unknown n-gram type {bad[0]!r}; choose from {', '.join(_ngram_types())} or 'none'")
+    return ngram
+
+
+def run(args: argparse.Namespace) -> tuple[dict, Path]:
+    """Measure, then write bench.json, bench.md and the plots; returns the result and the folder."""
     from tqdm import tqdm
+
+    from dflash_llama import fixtures
 
     from . import plots, prompts as prompt_sets, report
     from .runner import Bench, Settings
 
-    for name, value, low in (("-n", args.n_predict, 2), ("--threads", args.threads, 1), ("--ctx-size", args.ctx_size, 64),
-                             ("--pilot-prompts", args.pilot_prompts, 1), ("--calibration-tokens", args.calibration_tokens, 4),
-                             ("--limit", args.limit, 0)):
-        if value < low:
-            print(f"dflash-llama bench: {name} must be at least {low}, got {value}", file=sys.stderr)
-            return 2
-    ngram = [] if args.ngram_types == "none" else [t for t in args.ngram_types.split(",") if t]
-    bad = [t for t in ngram if t not in _ngram_types()]
-    if bad:
-        print(f"dflash-llama bench: unknown n-gram type {bad[0]!r}; choose from {', '.join(_ngram_types())} or 'none'",
-              file=sys.stderr)
-        return 2
+    ngram = _check(args)
+    started = time.monotonic()
+    target = args.target or str(fixtures.smollm2_gguf())
+    if not Path(target).is_file():
+        raise FileNotFoundError(f"--target {target}: no such file")
+    draft, draft_name = resolve_draft(args.draft, target)
+    out = Path(args.out) if args.out else Path("reports") / draft_name
 
+    everything = prompt_sets.load(args.prompts)
+    chosen = prompt_sets.spread(everything, args.limit or None)
+    ids = {p.id for p in chosen}
+    rest = [p for p in everything if p.id not in ids]  # the cost model's pilot prompts come from here
+    pilot = prompt_sets.spread(rest, args.pilot_prompts) if rest else chosen[: args.pilot_prompts]
+    settings = Settings(target=target, draft=draft, prompts=chosen, pilot=pilot, n_predict=args.n_predict,
+                        block_sizes=args.block_sizes, draft_max=args.draft_max, threads=args.threads,
+                        n_ctx=args.ctx_size, ngram_types=ngram, native=not args.no_native, server=args.server,
+                        server_concurrency=args.server_concurrency, server_prompts=args.server_prompts,
+                        calibration_tokens=args.calibration_tokens,
+                        deadline=started + 60.0 * args.budget_min if args.budget_min > 0 else None)
+
+    bar = tqdm(total=0, unit="run", desc="bench", dynamic_ncols=True, file=sys.stderr)
+
+    def progress(n: int, what: str) -> None:
+        bar.update(n)
+        bar.set_postfix_str(what[:48], refresh=False)
+
+    try:
+        bench = Bench(settings, progress)
+        bar.total = sum(bench.count_runs().values())
+        bench.retotal = lambda extra: setattr(bar, "total", bar.total + extra)
+        res = bench.run()
+    finally:
+        bar.close()
+    command = command_line(args, target, args.draft, out)
+    res["command"] = command
+    res["settings"].update(prompt_source=args.prompts, pilot_in_sample=not rest, budget_min=args.budget_min or None)
+    out.mkdir(parents=True, exist_ok=True)
+    names = plots.draw_all(res, out)
+    res["meta"]["command_wall_s"] = time.monotonic() - started  # all but writing the two files
+    (out / "bench.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / "bench.md").write_text(report.render(res, command, names))
+    return res, out
+
+
+def main(args: argparse.Namespace) -> int:
     old_term = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so `finally` blocks stop the server
     try:
-        with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
-            from dflash_llama import fixtures
-
-            target = args.target or str(fixtures.smollm2_gguf())
-            if not Path(target).is_file():
-                raise FileNotFoundError(f"--target {target}: no such file")
-            draft, draft_name = resolve_draft(args.draft, target, Path(tmp))
-            out = Path(args.out) if args.out else Path("reports") / draft_name
-            out.mkdir(parents=True, exist_ok=True)
-
-            everything = prompt_sets.load(args.prompts)
-            chosen = prompt_sets.spread(everything, args.limit or None)
-            ids = {p.id for p in chosen}
-            rest = [p for p in everything if p.id not in ids]
-            pilot = prompt_sets.spread(rest, args.pilot_prompts) if rest else chosen[: args.pilot_prompts]
-
-            settings = Settings(target=target, draft=draft, prompts=chosen, pilot=pilot, n_predict=args.n_predict,
-                                block_sizes=args.block_sizes, draft_max=args.draft_max, threads=args.threads,
-                                n_ctx=args.ctx_size, ngram_types=ngram, native=not args.no_native,
-                                server=args.server, server_concurrency=args.server_concurrency,
-                                calibration_tokens=args.calibration_tokens)
-            bar = tqdm(total=0, unit="run", desc="bench", dynamic_ncols=True, file=sys.stderr)
-
-            def progress(n: int, what: str) -> None:
-                bar.update(n)
-                bar.set_postfix_str(what[:48], refresh=False)
-
-            try:
-                bench = Bench(settings, progress)
-                bar.total = sum(bench.count_runs().values())
-                bench.retotal = lambda extra: setattr(bar, "total", bar.total + extra)
-                res = bench.run()
-            finally:
-                bar.close()
-            res["settings"]["pilot_in_sample"] = not rest
-            res["settings"]["prompt_source"] = args.prompts
-            command = "dflash-llama bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
-                if len(sys.argv) > 1 and sys.argv[1] == "bench" else "dflash-llama bench (called from Python)"
-            res["command"] = command
-            names = plots.draw_all(res, out)
-            (out / "bench.json").write_text(json.dumps(res, indent=1) + "\n")
-            (out / "bench.md").write_text(report.render(res, command, names))
+        res, out = run(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"dflash-llama bench: {e}", file=sys.stderr)
         return 2
     finally:
         signal.signal(signal.SIGTERM, old_term)
-
-    summ = res["summary"]
-    print(f"wrote {out}/bench.md, bench.json and {len(names)} plots ({res['meta']['wall_s'] / 60:.1f} min)")
-    for key, it in summ.items():
+    print(f"wrote {out}/bench.md, bench.json and the plots ({res['meta']['command_wall_s'] / 60:.1f} min)")
+    for it in res["summary"].values():
         print(f"  {it['label']:<44} {it['tokens_per_second'] or 0:8.1f} tok/s  "
               f"x{it['speedup_vs_llama-completion'] or 0:.2f} vs llama-completion  exact {it['exact']}/{it['prompts']}")
     return 0

@@ -12,8 +12,9 @@ What the tools print, and how it is read:
   (one run per token after the first, the first comes from the prompt's logits).
 - llama-speculative-simple: stdout is "\n\n", the prompt, the generated text, "\n\n". Speed: its
   `decoded N tokens in T seconds` (the prompt's last token is decoded with the first verify, so
-  T covers all N tokens). It keeps drafting its full n_max near the end, so it may decode up to
-  n_max tokens past -n: its text is compared on the first -n tokens' worth (a prefix check).
+  T covers all N tokens). It stops only once it has passed -n, and native DFlash keeps drafting
+  its full n_max near the end, so it decodes 1 to n_max+1 tokens past -n: texts are compared as
+  prefixes (`runner.text_matches`).
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def completion(target: str, prompt: str, n_predict: int, *, threads: int, n_ctx:
 
 
 def speculative(target: str, prompt: str, n_predict: int, spec_type: str, *, threads: int, n_ctx: int,
-                draft: str | None = None, n_max: int | None = None, timeout_s: float = 600.0) -> PeerResult:
+                draft: str | None = None, n_max: int | None = None, extra_args: list[str] | tuple = (),
+                timeout_s: float = 600.0) -> PeerResult:
     """Greedy speculative decoding with the pinned llama-speculative-simple."""
     if spec_type == "draft-dflash" and draft is None:
         raise ValueError("--spec-type draft-dflash needs a draft model")
@@ -135,7 +137,28 @@ def speculative(target: str, prompt: str, n_predict: int, spec_type: str, *, thr
         cmd += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
     if n_max is not None:
         cmd += ["--spec-draft-n-max", str(n_max)]
+    cmd += list(extra_args)
     stdout, stderr = _run(cmd, timeout_s)
     res = parse_speculative(stdout, stderr, prompt, n_predict)
     res.command = cmd
+    return res
+
+
+# ngram-simple drafts only once the sequence holds size_n + size_m + 1 tokens: with both at their
+# maximum (1024) it never drafts for prompt + generation up to 2049 tokens (checked after each run)
+NO_DRAFT_ARGS = ("--spec-ngram-simple-size-n", "1024", "--spec-ngram-simple-size-m", "1024")
+
+
+def speculative_plain(target: str, prompt: str, n_predict: int, *, threads: int, n_ctx: int,
+                      timeout_s: float = 600.0) -> PeerResult:
+    """Plain greedy decoding *inside* llama-speculative-simple: the reference its speculative runs
+    must reproduce. The tool decodes the prompt without its last token, then that token with the
+    first draft, and the logits of a token depend on how its batch was split (llama.cpp's batched
+    kernels), so its greedy text may differ from llama-completion's at a near-tie; against this
+    reference only the speculation is judged."""
+    res = speculative(target, prompt, n_predict, "ngram-simple", threads=threads, n_ctx=n_ctx,
+                      extra_args=NO_DRAFT_ARGS, timeout_s=timeout_s)
+    if res.n_drafted:
+        raise PeerError(f"llama-speculative-simple drafted {res.n_drafted} tokens in its no-draft configuration "
+                        "(prompt + -n above 2049 tokens?)")
     return res

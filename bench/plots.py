@@ -177,7 +177,8 @@ def cost_model(res: dict, path: Path) -> Path:
     ax1.set_xlabel(f"drafted tokens verified per step N (draft block B={cm['block_size']})")
     ax1.set_ylabel("decode tokens / s")
     ax1.set_xticks(ns)
-    ax1.set_ylim(bottom=0)
+    tops = [p["tokens_per_second"] for p in preds + (post or [])] + [y for _, y in measured if y]
+    ax1.set_ylim(0, 1.15 * max(tops + [cm["autoregressive_tokens_per_second"]]))
     ax1.grid(alpha=0.3)
     ax1.set_zorder(ax2.get_zorder() + 1)
     ax1.patch.set_visible(False)

@@ -22,7 +22,12 @@ def render(res: dict, command: str, plots: list[str]) -> str:
     add(f"# Benchmark: {Path(s['target']).name} + {Path(s['draft']).name}\n")
     add("Produced by\n")
     add(f"```\n{command}\n```\n")
-    add(f"- started {meta['started']}, took {meta['wall_s'] / 60:.1f} min")
+    budget = s.get("budget_min")
+    add(f"- started {meta['started']}; the whole command took {meta['command_wall_s'] / 60:.1f} min"
+        + (f" (budget {budget:g} min)" if budget else ""))
+    if s.get("stopped_by_budget"):
+        add(f"- **the time budget stopped the run after {len(s['prompts'])} of {s['prompts_planned']} prompts** "
+            f"(every method ran on each of them)")
     add(f"- machine: {meta['cpu']}, {meta['nproc']} CPUs ({meta['affinity']} usable), {meta['platform']}; "
         f"load average {meta['loadavg_start']} at the start, {meta['loadavg_end']} at the end")
     add(f"- dflash-llama {meta['dflash_llama']}, llama.cpp {meta['llama_cpp']} (the pinned peer tools of this build)")
@@ -34,17 +39,23 @@ def render(res: dict, command: str, plots: list[str]) -> str:
     add("## Summary (all prompts)\n")
     add("Speed is decode tokens per second over all prompts (tokens after the first / decode time; "
         "prefill excluded). Speedups are ratios of speeds measured in this run; \"median/prompt\" is the "
-        "median of the per-prompt ratios (paired, so slow phases of the machine cancel). Exact: greedy "
-        "output equal to the reference on that many prompts (our runtime: tokens equal to our "
-        "autoregressive decoding; llama.cpp tools: text equal to llama-completion's).\n")
-    add("| method | tok/s | vs llama-completion | median/prompt | vs our autoregressive | tau | acceptance | exact |")
-    add("|---|---:|---:|---:|---:|---:|---:|---|")
+        "median of the per-prompt ratios (paired, so slow phases of the machine cancel).\n")
+    add("**exact**: on how many prompts the greedy output equals the output the method must reproduce: "
+        "our runtime's speculative rows, the tokens of our autoregressive decoding; llama.cpp's speculative "
+        "rows, the text of the same tool decoding without drafts (`llama-speculative-simple, no drafts`); "
+        "the plain decoders, each other's text. **= llama-completion**: on how many prompts the text is "
+        "llama-completion's. llama-speculative-simple decodes the prompt without its last token, then that "
+        "token with the first draft; llama.cpp's logits depend on how a batch is split, so at a near-tie its "
+        "greedy text can leave llama-completion's even with no speculation at all.\n")
+    add("| method | tok/s | vs llama-completion | median/prompt | vs our autoregressive | tau | acceptance "
+        "| exact | = llama-completion |")
+    add("|---|---:|---:|---:|---:|---:|---:|---|---:|")
     for key, it in summ.items():
         exact = f"{it['exact']}/{it['prompts']}" + ("" if it["all_exact"] else " **not all**")
         add(f"| {it['label']} | {_f(it['tokens_per_second'])} | {_f(it['speedup_vs_llama-completion'], 2, 'x')} | "
             f"{_f(it['median_prompt_speedup_vs_llama-completion'], 2, 'x')} | {_f(it['speedup_vs_runtime-ar'], 2, 'x')} | "
             f"{_f(it.get('tau'), 2)} | {_f(100 * it['acceptance_rate'] if it.get('acceptance_rate') is not None else None, 1, '%')} | "
-            f"{exact} |")
+            f"{exact} | {it['same_text_as_llama_completion']}/{it['prompts']} |")
     add("")
 
     add("## Ratios measured in this run\n")
@@ -104,9 +115,11 @@ def render(res: dict, command: str, plots: list[str]) -> str:
     srv = res.get("server")
     if srv:
         add("## Serving: llama-server with native DFlash\n")
-        add(f"`/v1/completions`, greedy, the same {len(s['prompts'])} prompts and -n at each concurrency, "
-            f"`--spec-draft-n-max {srv['n_max']}`. Throughput = completion tokens / wall time of the level; "
-            f"latency per request (seconds). Exact: text equal to llama-completion's.\n")
+        add(f"`/v1/completions`, greedy, {len(srv['prompts'])} of the benchmark prompts ({', '.join(srv['prompts'])}) "
+            f"and -n {s['n_predict']} at each concurrency; `--spec-draft-n-max {srv['n_max']}`, the fastest native "
+            f"setting of this run. Throughput = completion tokens / wall time of the level; latency per request "
+            f"(seconds). Exact: text equal to llama-completion's (at concurrency > 1 the server decodes several "
+            f"sequences in one batch, which can move a near-tie).\n")
         add(f"```\n{' '.join(srv['command'])}\n```\n")
         add("| concurrency | requests | tok/s | req/s | p50 s | p90 s | p99 s | max s | acceptance | exact |")
         add("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
@@ -126,13 +139,14 @@ def render(res: dict, command: str, plots: list[str]) -> str:
     add("## Every row\n")
     add("One row per prompt and method. tok/s: decode speed; tau: tokens per verify step; exact: greedy "
         "output equals the reference (see above); first diff: where it first differs.\n")
-    add("| prompt | method | tokens | tok/s | tau | acceptance | exact | first diff |")
-    add("|---|---|---:|---:|---:|---:|---|---:|")
+    add("| prompt | method | tokens | tok/s | tau | acceptance | exact | against | first diff | = llama-completion |")
+    add("|---|---|---:|---:|---:|---:|---|---|---:|---|")
     for r in res["rows"]:
         acc = r.get("acceptance_rate")
         diff = "" if r["first_difference"] is None else f"{r['first_difference_unit']} {r['first_difference']}"
         add(f"| {r['prompt']} | {r['label']} | {r['n_tokens']} | {_f(r['tokens_per_second'])} | "
-            f"{_f(r.get('tau'), 2)} | {_f(100 * acc if acc is not None else None, 1, '%')} | {_yes(r['exact'])} | {diff} |")
+            f"{_f(r.get('tau'), 2)} | {_f(100 * acc if acc is not None else None, 1, '%')} | {_yes(r['exact'])} | "
+            f"{r['exact_against']} | {diff} | {'yes' if r['same_text_as_llama_completion'] else 'no'} |")
     add("")
 
     add("## Method\n")
@@ -144,7 +158,13 @@ def render(res: dict, command: str, plots: list[str]) -> str:
     add("- llama.cpp's native DFlash runs a block of n_max+1 tokens; block size K here means `--spec-draft-n-max K-1` "
         "(sizes above the draft's trained block are clamped by llama.cpp, so they are not run). It keeps drafting "
         "n_max tokens near the end, so it decodes past -n: its text is checked on the first -n tokens' worth.")
-    add("- n-gram speculation runs with the pinned tool's default settings for each `--spec-type`.")
+    add("- n-gram speculation runs with the pinned tool's default settings for each `--spec-type`. "
+        "`llama-speculative-simple, no drafts` is `--spec-type ngram-simple` with lookup sizes no sequence "
+        "here reaches (checked: it drafted nothing).")
+    if budget:
+        add(f"- The default prompt count and -n are chosen so that the whole default run fits in {budget:g} "
+            f"minutes on the 2-core development machine; `--budget-min` also stops taking prompts when the next "
+            f"prompt and the serving phase would not fit.")
     add("- The cost model's pick is measured on pilot prompts that are not among the benchmark prompts when "
         "enough prompts exist, then run on all benchmark prompts like every other method.")
     return "\n".join(L) + "\n"

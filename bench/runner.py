@@ -3,7 +3,9 @@
 Methods (each a row per prompt):
 - `runtime-ar`: our runtime, plain decoding (`Runtime.autoregressive`), the reference for
   exactness of our speculative rows;
-- `llama-completion`: the pinned llama.cpp, plain decoding, the reference for the llama.cpp peers;
+- `llama-completion`: the pinned llama.cpp, plain decoding;
+- `llama-spec-ar`: plain decoding inside `llama-speculative-simple` (no drafts), the reference for
+  the llama.cpp speculative peers (same prompt handling, so only the speculation is judged);
 - `runtime-b{K}`: our DFlash runtime with verify blocks of K tokens (K-1 drafted);
 - `runtime-b{B}-n{N}`: the draft's trained block B verifying only N drafted tokens (the cost
   model's pick with `--draft-max auto`);
@@ -12,7 +14,8 @@ Methods (each a row per prompt):
 
 For every prompt the methods run in an order rotated by one place from the previous prompt, so
 machine noise (other jobs, thermal drift) falls on all methods alike. Ratios are taken between
-rows measured in this run: per prompt (paired) and over all tokens.
+rows measured in this run: per prompt (paired) and over all tokens. With a time budget, the run
+stops taking new prompts when the next one and the serving phase would not fit.
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ from . import cost_model, peers
 from .prompts import Prompt
 
 SCHEMA = "dflash-llama-bench/1"
+REPORT_S = 20.0  # plots and report writing, reserved in the time budget
+
+
+def _speed(rows: list[dict]) -> float | None:
+    """Decode tokens per second over all `rows`."""
+    ms = sum(r["decode_ms"] for r in rows)
+    return 1000.0 * sum(r["decode_tokens"] for r in rows) / ms if ms > 0 else None
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,8 @@ class Method:
             return "dflash-llama autoregressive"
         if self.key == "llama-completion":
             return "llama-completion"
+        if self.key == "llama-spec-ar":
+            return "llama-speculative-simple, no drafts"
         if self.kind == "ngram":
             return f"llama.cpp {self.spec_type}"
         who = "dflash-llama" if self.impl == "dflash-llama" else "llama.cpp native"
@@ -74,7 +86,9 @@ class Settings:
     native: bool = True
     server: bool = True
     server_concurrency: list[int] = field(default_factory=lambda: [1, 2, 4])
+    server_prompts: int = 8  # benchmark prompts sent at each concurrency level
     calibration_tokens: int = 32
+    deadline: float | None = None  # time.monotonic() by which the run must be done (None: no budget)
 
 
 def _first_difference(a, b) -> int | None:
@@ -97,6 +111,8 @@ def text_matches(text: str, ref: str, ref_stopped: bool) -> tuple[bool, int | No
 def plan_methods(s: Settings, block_size: int, pick: int | None) -> list[Method]:
     methods = [Method("runtime-ar", "dflash-llama", "autoregressive"),
                Method("llama-completion", "llama.cpp", "autoregressive")]
+    if s.native or s.ngram_types:
+        methods.append(Method("llama-spec-ar", "llama.cpp", "autoregressive", spec_type="ngram-simple"))
     for k in s.block_sizes:
         methods.append(Method(f"runtime-b{k}", "dflash-llama", "dflash", block_size=k))
     if pick is not None and not (pick == block_size - 1 and block_size in s.block_sizes):
@@ -184,7 +200,8 @@ class Bench:
             "warmup": 2,
             "cost_model": len(self.s.pilot) * (1 + (b - 1)) + len(self.s.pilot),
             "main": n_methods * len(self.s.prompts),
-            "server": len(self.s.prompts) * len(self.s.server_concurrency) if self.s.server else 0,
+            "server": min(self.s.server_prompts, len(self.s.prompts)) * len(self.s.server_concurrency)
+            if self.s.server else 0,
         }
 
     # -- phases -------------------------------------------------------------------------------
@@ -238,6 +255,10 @@ class Bench:
             r = peers.completion(s.target, p.text, s.n_predict, threads=s.threads, n_ctx=s.n_ctx)
             row = _peer_row(m, r)
             row["_text"], row["_stopped"] = r.text, r.stopped
+        elif m.key == "llama-spec-ar":
+            r = peers.speculative_plain(s.target, p.text, s.n_predict, threads=s.threads, n_ctx=s.n_ctx)
+            row = _peer_row(m, r)
+            row["_text"], row["_stopped"] = r.text, r.stopped
         else:
             r = peers.speculative(s.target, p.text, s.n_predict, m.spec_type, threads=s.threads, n_ctx=s.n_ctx,
                                   draft=s.draft if m.kind == "dflash" else None,
@@ -246,46 +267,69 @@ class Bench:
             row["_text"], row["_stopped"] = r.text, r.stopped
         return row
 
-    def main_loop(self, methods: list[Method]) -> list[dict]:
+    def main_loop(self, methods: list[Method], fits: Callable[[list[dict], float], bool] = lambda rows, t: True
+                  ) -> list[dict]:
+        """Every method on every prompt, interleaved; stops early when `fits(rows, seconds per prompt)`
+        says the next prompt would not fit the time budget."""
         rows = []
+        t0 = time.monotonic()
         for i, p in enumerate(self.s.prompts):
+            if i and not fits(rows, (time.monotonic() - t0) / i):
+                break
             shift = i % len(methods)
             results = {}
             for m in methods[shift:] + methods[:shift]:
                 results[m.key] = self.run_method(m, p)
                 self.progress(1, f"{p.id} {m.key}")
-            ar, lc = results["runtime-ar"], results["llama-completion"]
-            for m in methods:
-                r = results[m.key]
-                if m.impl == "dflash-llama" and m.kind == "dflash":
-                    exact, diff = r["_tokens"] == ar["_tokens"], _first_difference(r["_tokens"], ar["_tokens"])
-                    against, unit = "runtime-ar", "token"
-                elif m.key == "runtime-ar":
-                    exact, diff = text_matches(r["_text"], lc["_text"], lc["_stopped"])
-                    exact = exact and len(r["_text"]) == len(lc["_text"])
-                    against, unit = "llama-completion", "char"
-                elif m.key == "llama-completion":
-                    exact, diff = text_matches(r["_text"], ar["_text"], True)
-                    against, unit = "runtime-ar", "char"
-                else:
-                    exact, diff = text_matches(r["_text"], lc["_text"], lc["_stopped"])
-                    against, unit = "llama-completion", "char"
-                row = {"prompt": p.id, "method": m.key, "label": m.label, "impl": m.impl, "kind": m.kind,
-                       "block_size": m.block_size, "n_draft": m.n_draft, "spec_type": m.spec_type, "auto": m.auto,
-                       "exact": bool(exact), "exact_against": against, "first_difference": diff,
-                       "first_difference_unit": unit if diff is not None else None}
-                row.update({k: v for k, v in r.items() if not k.startswith("_")})
-                rows.append(row)
-            # the references' texts, for readers who want to look (and the server's exactness)
-            rows.append({"prompt": p.id, "method": "_texts", "runtime_ar_text": ar["_text"],
-                         "llama_completion_text": lc["_text"], "llama_completion_stopped": lc["_stopped"]})
+            rows += self._compare(p, methods, results)
         return rows
+
+    @staticmethod
+    def _compare(p: Prompt, methods: list[Method], results: dict[str, dict]) -> list[dict]:
+        """Rows of one prompt with their exactness: our speculative rows against our plain decoding
+        (tokens); llama.cpp's speculative rows against the same tool without drafts (text); the plain
+        decoders against each other. Every row also says whether its text is llama-completion's."""
+        ar, lc, sar = results["runtime-ar"], results["llama-completion"], results.get("llama-spec-ar")
+        out = []
+        for m in methods:
+            r = results[m.key]
+            if m.impl == "dflash-llama" and m.kind == "dflash":
+                exact, diff = r["_tokens"] == ar["_tokens"], _first_difference(r["_tokens"], ar["_tokens"])
+                against, unit = "runtime-ar", "token"
+            elif m.key == "runtime-ar":
+                exact, diff = text_matches(r["_text"], lc["_text"], True)
+                against, unit = "llama-completion", "char"
+            elif m.key == "llama-completion":
+                exact, diff = text_matches(r["_text"], ar["_text"], True)
+                against, unit = "runtime-ar", "char"
+            elif m.key == "llama-spec-ar":
+                exact, diff = text_matches(r["_text"], lc["_text"], lc["_stopped"])
+                against, unit = "llama-completion", "char"
+            else:
+                exact, diff = text_matches(r["_text"], sar["_text"], sar["_stopped"])
+                against, unit = "llama-spec-ar", "char"
+            same_as_lc = text_matches(r["_text"], lc["_text"], lc["_stopped"] or m.impl == "dflash-llama")[0]
+            row = {"prompt": p.id, "method": m.key, "label": m.label, "impl": m.impl, "kind": m.kind,
+                   "block_size": m.block_size, "n_draft": m.n_draft, "spec_type": m.spec_type, "auto": m.auto,
+                   "exact": bool(exact), "exact_against": against, "first_difference": diff,
+                   "first_difference_unit": unit if diff is not None else None,
+                   "same_text_as_llama_completion": bool(same_as_lc)}
+            row.update({k: v for k, v in r.items() if not k.startswith("_")})
+            out.append(row)
+        # the references' texts, for readers who want to look (and the server's exactness)
+        out.append({"prompt": p.id, "method": "_texts", "runtime_ar_text": ar["_text"],
+                    "llama_completion_text": lc["_text"], "llama_completion_stopped": lc["_stopped"],
+                    "llama_spec_ar_text": sar["_text"] if sar else None})
+        return out
 
     def server_phase(self, n_max: int, reference_texts: dict[str, tuple[str, bool]]) -> dict:
         from . import server
 
         s = self.s
-        prompts = [(p.id, p.text) for p in s.prompts]
+        done = [p for p in s.prompts if p.id in reference_texts]
+        from .prompts import spread
+
+        prompts = [(p.id, p.text) for p in spread(done, s.server_prompts)]
         levels = []
         with server.LlamaServer(s.target, s.draft, threads=s.threads, n_ctx=s.n_ctx,
                                 n_parallel=max(s.server_concurrency), n_max=n_max) as srv:
@@ -303,7 +347,29 @@ class Bench:
                 summary["requests_detail"] = reqs
                 levels.append(summary)
             pid = srv.pid
-        return {"command": command, "n_max": n_max, "pid": pid, "levels": levels}
+        return {"command": command, "n_max": n_max, "pid": pid, "prompts": [p[0] for p in prompts], "levels": levels}
+
+    # -- everything -----------------------------------------------------------------------------
+    def server_n_max(self, rows: list[dict], methods: list[Method]) -> int:
+        """The server runs native DFlash at its fastest n_max of this run (else the cost model's pick)."""
+        native = [m for m in methods if m.impl == "llama.cpp" and m.kind == "dflash"]
+        if not native:
+            return self.pick
+        speeds = {m.n_draft: _speed([r for r in rows if r["method"] == m.key]) for m in native}
+        return max(speeds, key=lambda n: (speeds[n] or 0.0, -n))
+
+    def server_estimate_s(self, rows: list[dict], methods: list[Method]) -> float:
+        """Expected length of the serving phase: each request costs about what the same setting cost
+        llama-speculative-simple (concurrency does not add compute on a CPU)."""
+        if not self.s.server or not rows:
+            return 0.0
+        n_max = self.server_n_max(rows, methods)
+        key = next((m.key for m in methods if m.impl == "llama.cpp" and m.kind == "dflash" and m.n_draft == n_max),
+                   "llama-completion")
+        per = [(r["prefill_ms"] or 0) + r["decode_ms"] for r in rows if r["method"] == key]
+        n_prompts = len({r["prompt"] for r in rows if r["method"] == key})
+        per_request_s = statistics.mean(per) / 1000.0 + 0.05
+        return 5.0 + per_request_s * min(self.s.server_prompts, n_prompts) * len(self.s.server_concurrency)
 
     # -- everything -----------------------------------------------------------------------------
     def run(self) -> dict:
@@ -315,14 +381,27 @@ class Bench:
         pick = cm["pick"]["n_draft"] if s.draft_max == "auto" else int(s.draft_max)
         if pick > self.block_size - 1:
             raise ValueError(f"--draft-max {pick} exceeds the draft's block: at most {self.block_size - 1} drafted tokens")
-        cm["used_n_draft"] = pick
+        self.pick = cm["used_n_draft"] = pick
         methods = plan_methods(s, self.block_size, pick)
         assumed = len(plan_methods(s, self.block_size, 1 if self.block_size > 2 else None))
         self.retotal((len(methods) - assumed) * len(s.prompts))
-        rows = self.main_loop(methods)
+
+        def fits(rows: list[dict], per_prompt_s: float) -> bool:
+            if s.deadline is None:
+                return True
+            finish = time.monotonic() + per_prompt_s + self.server_estimate_s(rows, methods) + REPORT_S
+            return finish <= s.deadline
+
+        rows = self.main_loop(methods, fits)
         texts = {r["prompt"]: (r["llama_completion_text"], r["llama_completion_stopped"])
                  for r in rows if r["method"] == "_texts"}
-        srv = self.server_phase(self.block_size - 1, texts) if s.server else None
+        n_done = len(texts)
+        if n_done < len(s.prompts):  # the progress bar planned for every prompt
+            self.retotal(-(len(s.prompts) - n_done) * len(methods))
+            if s.server:
+                self.retotal(len(s.server_concurrency) *
+                             (min(s.server_prompts, n_done) - min(s.server_prompts, len(s.prompts))))
+        srv = self.server_phase(self.server_n_max(rows, methods), texts) if s.server else None
         summary = summarise(rows, methods)
         # the model's predictions against this run's measurements; "bench acceptance" re-predicts with the
         # acceptance measured on the benchmark prompts, separating timing error from acceptance sampling
@@ -349,10 +428,13 @@ class Bench:
                                       "wall_s": time.time() - t0, "loadavg_start": load_start,
                                       "loadavg_end": _loadavg()},
             "settings": {"target": s.target, "draft": s.draft, "n_predict": s.n_predict, "block_sizes": s.block_sizes,
+                         "prompts_planned": len(s.prompts),
+                         "stopped_by_budget": n_done < len(s.prompts), "server_prompts": s.server_prompts,
                          "draft_block_size": self.block_size, "draft_max": s.draft_max, "threads": s.threads,
                          "n_ctx": s.n_ctx, "ngram_types": s.ngram_types, "native": s.native,
                          "server": s.server, "server_concurrency": s.server_concurrency,
-                         "prompts": [{"id": p.id, "n_tokens": len(self.tokens[p.id])} for p in s.prompts],
+                         "prompts": [{"id": p.id, "n_tokens": len(self.tokens[p.id])} for p in s.prompts
+                                     if p.id in texts],
                          "pilot_prompts": [p.id for p in s.pilot]},
             "methods": [dict(asdict(m), label=m.label, n_draft=m.n_draft) for m in methods],
             "summary": summary,
@@ -377,6 +459,7 @@ def summarise(rows: list[dict], methods: list[Method]) -> dict:
         item = {"label": m.label, "impl": m.impl, "kind": m.kind, "block_size": m.block_size, "n_draft": m.n_draft,
                 "auto": m.auto, "prompts": len(rs), "exact": sum(r["exact"] for r in rs),
                 "all_exact": all(r["exact"] for r in rs), "decode_tokens": dec_tokens, "decode_ms": dec_ms,
+                "same_text_as_llama_completion": sum(r["same_text_as_llama_completion"] for r in rs),
                 "tokens_per_second": tps}
         for k in ("runtime-ar", "llama-completion"):
             per = [r["tokens_per_second"] / base[k][r["prompt"]]["tokens_per_second"] for r in rs
@@ -434,6 +517,7 @@ def ratios(rows: list[dict], methods: list[Method], block_size: int) -> list[dic
     for m in methods:
         if m.impl == "llama.cpp" and m.kind == "dflash":
             out.append(pair(m.key, "llama-completion", f"{m.label} / llama-completion"))
+            out.append(pair(m.key, "llama-spec-ar", f"{m.label} / the same tool without drafts"))
     out.append(pair("runtime-ar", "llama-completion", "our autoregressive / llama-completion"))
     return [r for r in out if r is not None]
 

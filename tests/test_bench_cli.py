@@ -22,10 +22,12 @@ def bench_run(tiny_target_gguf, tiny_draft_hf, tmp_path_factory):
     """One small run; the draft is given as its HF checkpoint, so the run converts it."""
     out = tmp_path_factory.mktemp("bench") / "tiny"
     before = set(server.processes_of(paths.tool("llama-server")))
-    rc = cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tiny_draft_hf), "--limit", "2",
-                   "-n", "12", "-t", "1", "--block-sizes", "2,4,16", "--ngram-types", "ngram-simple,ngram-mod",
-                   "--pilot-prompts", "2", "--calibration-tokens", "6", "--server-concurrency", "1,2",
-                   "--out", str(out)])
+    with pytest.MonkeyPatch.context() as mp:  # the converted draft is cached: keep it out of the home folder
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        rc = cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tiny_draft_hf), "--limit", "2",
+                       "-n", "12", "-t", "1", "--block-sizes", "2,4,16", "--ngram-types", "ngram-simple,ngram-mod",
+                       "--pilot-prompts", "2", "--calibration-tokens", "6", "--server-concurrency", "1,2",
+                       "--out", str(out)])
     after = set(server.processes_of(paths.tool("llama-server")))
     return rc, out, json.loads((out / "bench.json").read_text()), before, after
 
@@ -40,6 +42,10 @@ def test_writes_every_file(bench_run):
     for png in PNGS:
         assert f"![{png}]({png})" in md
     assert "| HumanEval/0 | llama.cpp native DFlash B=4 |" in md and "**no**" not in md
+    # the command that produced the numbers, every setting spelled out
+    assert res["command"].startswith("dflash-llama bench --target ") and "--limit 2 -n 12 --block-sizes 2,4,16" \
+        in res["command"] and f"```\n{res['command']}\n```" in md
+    assert res["settings"]["stopped_by_budget"] is False and "--budget-min 20" in res["command"]
 
 
 def test_methods_and_rows(bench_run):
@@ -48,7 +54,7 @@ def test_methods_and_rows(bench_run):
     assert res["settings"]["draft_block_size"] == 8 and res["settings"]["block_sizes"] == [2, 4, 16]
     keys = [m["key"] for m in res["methods"]]
     pick = res["cost_model"]["pick"]["n_draft"]
-    expected = ["runtime-ar", "llama-completion", "runtime-b2", "runtime-b4", "runtime-b16"]
+    expected = ["runtime-ar", "llama-completion", "llama-spec-ar", "runtime-b2", "runtime-b4", "runtime-b16"]
     expected += [f"runtime-b8-n{pick}"]  # B=8 is not swept: the pick gets its own row
     expected += ["native-b2", "native-b4", "ngram-simple", "ngram-mod"]  # native B=16 exceeds the trained block
     assert keys == expected
@@ -59,10 +65,14 @@ def test_methods_and_rows(bench_run):
         assert r["exact"] is True, r
         assert r["first_difference"] is None
         assert r["tokens_per_second"] > 0 and r["decode_ms"] > 0
-        # our speculative rows against our plain decoding (tokens), llama.cpp's against llama-completion
-        # (text), and the two plain decoders against each other
-        ours = r["method"].startswith("runtime-b") or r["method"] == "llama-completion"
-        assert r["exact_against"] == ("runtime-ar" if ours else "llama-completion")
+        # our speculative rows against our plain decoding (tokens), llama.cpp's against the same tool
+        # without drafts (text), and the plain decoders against each other
+        against = {"runtime-ar": "llama-completion", "llama-completion": "runtime-ar",
+                   "llama-spec-ar": "llama-completion"}.get(r["method"])
+        against = against or ("runtime-ar" if r["method"].startswith("runtime-b") else "llama-spec-ar")
+        assert r["exact_against"] == against
+        # the tiny target has no near-ties: every text is also llama-completion's
+        assert r["same_text_as_llama_completion"] is True
         if r["method"].startswith("runtime-b"):
             # our runtime: tau, per-position acceptance and the time split, consistent with each other
             assert r["n_tokens"] == 12 or r["stop_reason"] == "stop_token"
@@ -85,7 +95,7 @@ def test_summary_and_ratios_come_from_the_rows(bench_run):
         return 1000 * sum(r["decode_tokens"] for r in rs) / sum(r["decode_ms"] for r in rs)
 
     for key, it in res["summary"].items():
-        assert it["all_exact"] and it["exact"] == it["prompts"] == 2
+        assert it["all_exact"] and it["exact"] == it["prompts"] == it["same_text_as_llama_completion"] == 2
         assert it["tokens_per_second"] == pytest.approx(speed(key))
         assert it["speedup_vs_llama-completion"] == pytest.approx(speed(key) / speed("llama-completion"))
     ratios = {r["what"]: r for r in res["ratios"]}
@@ -95,6 +105,8 @@ def test_summary_and_ratios_come_from_the_rows(bench_run):
         assert ratios[f"dflash-llama DFlash B={b} / our autoregressive"]["ratio"] == pytest.approx(
             speed(f"runtime-b{b}") / speed("runtime-ar"))
     assert "our runtime / native DFlash, B=16" not in ratios  # no native B=16 to compare with
+    assert ratios["llama.cpp native DFlash B=4 / the same tool without drafts"]["ratio"] == pytest.approx(
+        speed("native-b4") / speed("llama-spec-ar"))
 
 
 def test_cost_model(bench_run):
@@ -118,6 +130,10 @@ def test_server_levels_and_no_process_left(bench_run):
     _, _, res, before, after = bench_run
     srv = res["server"]
     assert [lv["concurrency"] for lv in srv["levels"]] == [1, 2]
+    # the server runs native DFlash at the fastest n_max of the run
+    native = {m["n_draft"]: res["summary"][m["key"]]["tokens_per_second"] for m in res["methods"]
+              if m["key"].startswith("native-")}
+    assert srv["n_max"] == max(native, key=native.get) and srv["prompts"] == ["HumanEval/0", "HumanEval/163"]
     for lv in srv["levels"]:
         assert lv["requests"] == 2 and lv["exact"] == 2
         assert lv["latency_s"]["p50"] <= lv["latency_s"]["max"]
@@ -136,3 +152,20 @@ def test_bad_arguments_exit_2(capsys, tiny_target_gguf, tmp_path):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--block-sizes", "1,4"])
     assert "--block-sizes must be integers >= 2" in capsys.readouterr().err
+
+
+def test_time_budget_stops_taking_prompts(tiny_target_gguf, tiny_draft_gguf, tmp_path):
+    """A budget already spent after the first prompt: every method ran on that prompt, no more."""
+    out = tmp_path / "budget"
+    rc = cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tiny_draft_gguf), "--limit", "3",
+                   "-n", "8", "-t", "1", "--block-sizes", "2", "--ngram-types", "none", "--no-native", "--no-server",
+                   "--pilot-prompts", "1", "--calibration-tokens", "4", "--budget-min", "0.001", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "bench.json").read_text())
+    assert res["settings"]["stopped_by_budget"] is True and res["settings"]["prompts_planned"] == 3
+    assert [p["id"] for p in res["settings"]["prompts"]] == ["HumanEval/0"]
+    assert {r["prompt"] for r in res["rows"]} == {"HumanEval/0"}
+    assert [m["key"] for m in res["methods"]][:2] == ["runtime-ar", "llama-completion"]
+    assert "llama-spec-ar" not in [m["key"] for m in res["methods"]]  # no llama.cpp speculation to judge
+    assert res["server"] is None
+    assert "**the time budget stopped the run after 1 of 3 prompts**" in (out / "bench.md").read_text()
