@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", help="report name (default: the --out folder's name)")
     p.add_argument("--no-native", action="store_true", help="skip llama.cpp's own DFlash graph and loop")
     p.add_argument("--no-end-to-end", action="store_true", help="skip stage 4")
+    p.add_argument("--default", action="store_true",
+                   help="the embedded default pair (SmolLM2-135M Q4_1 + its draft, converted to --outtype); "
+                        "--out defaults to reports/smollm2-135m-dflash/")
+    p.add_argument("--outtype", default="f16", help="with --default: the draft's GGUF type (default f16, as "
+                                                   "`dflash-llama run` uses)")
     p.add_argument("--all", action="store_true", help="check every pair of the registry")
     p.add_argument("--only", help="with --all: comma-separated pair names")
     p.add_argument("--registry", type=Path, help="registry file (default: parity/registry.toml)")
@@ -71,7 +76,7 @@ def _config(args, target, draft, draft_hf, target_hf, name):
 def _summary(report: dict, paths: dict) -> str:
     verdict = "PASS" if report["passed"] else "FAIL"
     fd = report.get("first_divergence")
-    lines = [f"parity {report['name']}: {verdict}"]
+    lines = [f"parity {report['name']}: {verdict}" + (f" ({report['note']})" if report.get("note") else "")]
     for key, s in report["stages"].items():
         lines.append(f"  {key:11s} {s['status']}")
     if fd:
@@ -89,7 +94,7 @@ def run_one(args, target, draft, draft_hf, target_hf, out: Path, name: str, note
 
     report = run_parity(_config(args, target, draft, draft_hf, target_hf, name), progress_bar=not args.quiet)
     if note:
-        report["name"] = f"{name} ({note})"
+        report["note"] = note
     paths = R.write(report, out)
     print(_summary(report, paths))
     return report
@@ -103,6 +108,8 @@ def main(args) -> int:
             return quant_main(args)
         if args.all:
             return _main_all(args)
+        if args.default:
+            return _main_default(args)
         missing = [f for f in ("target", "draft", "out") if getattr(args, f) is None]
         if missing:
             print(f"dflash-llama parity: error: --{' --'.join(missing)} required (or --all)", file=sys.stderr)
@@ -113,6 +120,22 @@ def main(args) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"dflash-llama parity: error: {e}", file=sys.stderr)
         return 2
+
+
+PLACEHOLDER_NOTE = ("placeholder: the draft is a random SmolLM2-shaped draft, not the trained default "
+                    "(python/dflash_llama/data/smollm2-135m-dflash/ does not exist yet); tau means nothing here")
+
+
+def _main_default(args) -> int:
+    from . import registry
+
+    _, defaults = registry.load(args.registry or registry.REGISTRY_PATH)
+    pair = registry.Pair(name=f"smollm2-135m-dflash-{args.outtype}", kind="default", outtype=args.outtype)
+    res = registry.resolve(pair, defaults)
+    out = args.out or Path("reports") / defaults.get("draft_dir", "smollm2-135m-dflash")
+    report = run_one(args, res.target, res.draft, res.draft_hf, None, out, args.name or pair.name,
+                     PLACEHOLDER_NOTE if res.placeholder else None)
+    return 0 if report["passed"] else 1
 
 
 def _main_all(args) -> int:
@@ -133,8 +156,7 @@ def _main_all(args) -> int:
             print(f"parity {pair.name}: skipped ({res.skip})")
             rows.append((pair.name, "skipped", res.skip))
             continue
-        note = "placeholder: random SmolLM2-shaped draft, the trained draft does not exist yet" \
-            if res.placeholder else None
+        note = PLACEHOLDER_NOTE if res.placeholder else None
         report = run_one(args, res.target, res.draft, res.draft_hf, res.target_hf, out_root / pair.name,
                          pair.name, note)
         got = "pass" if report["passed"] else "fail"

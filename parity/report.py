@@ -58,6 +58,8 @@ def _status(s: str) -> str:
 def markdown(r: dict, png_name: str = "parity.png") -> str:
     st = r["stages"]
     lines = [f"# Parity report: {r['name']}", ""]
+    if r.get("note"):
+        lines += [f"> **{r['note'][0].upper() + r['note'][1:]}**", ""]
     verdict = "PASS" if r["passed"] else "**FAIL**"
     lines.append(f"Result: {verdict}")
     fd = r.get("first_divergence")
@@ -153,6 +155,11 @@ def markdown(r: dict, png_name: str = "parity.png") -> str:
             lines.append(f"| {row['prompt']} | " + " | ".join(taus) + " | " + " | ".join(ex) + " |")
         lines.append("| **mean** | " + " | ".join(_tau(e["tau"][m]) for m in impls) + " | " +
                      " | ".join("yes" if e["greedy_exact"][m] else "**no**" for m in impls) + " |")
+        same = [row["native"].get("same_text_as_runtime") for row in e["prompts"]
+                if "same_text_as_runtime" in row.get("native", {})]
+        if same:
+            lines += ["", f"llama.cpp's text equals our runtime's autoregressive text on {sum(same)} of {len(same)} "
+                          "prompts (it need not: docs/upstream_status.md, U6)."]
         lines += ["", "Drafted-token agreement (the three drafts on identical replayed inputs):", ""]
         for pair, frac in e["draft_agreement"].items():
             lines.append(f"- {pair}: {frac:.1%}" if frac is not None else f"- {pair}: -")
@@ -212,7 +219,7 @@ def plot(r: dict, path: str | Path) -> None:
     ax.set_xticks(x)
     ax.set_xticklabels(names, rotation=75, ha="right", fontsize=7)
     ax.set_ylabel("relative error (log)")
-    ax.set_title(f"{r['name']}: draft intermediates ({g.get('draft_type', '?')} draft), dashed: bounds, shaded: odd layers; "
+    ax.set_title(f"{r['name']}{' (PLACEHOLDER draft)' if 'placeholder' in r.get('note', '') else ''}: draft intermediates ({g.get('draft_type', '?')} draft), dashed: bounds, shaded: odd layers; "
                  f"{'PASS' if r['passed'] else 'FAIL'}", fontsize=10)
     ax.grid(True, axis="y", which="major", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")

@@ -83,6 +83,23 @@ def _cut(tokens: list[int], n: int) -> list[int]:
     return tokens[-n:] if len(tokens) > n else tokens
 
 
+def display_path(path) -> str:
+    """A path as a report shows it: relative to the working folder, to the installed package's
+    site-packages, or to the home folder, so that committed reports name no machine's folders."""
+    import site
+    import sysconfig
+
+    p = Path(path).resolve()
+    roots = [(Path(d), "") for d in {sysconfig.get_paths()["purelib"], *site.getsitepackages()}] \
+        + [(Path.cwd(), ""), (Path.home(), "~/")]
+    for root, prefix in roots:
+        try:
+            return prefix + str(p.relative_to(root.resolve()))
+        except ValueError:
+            continue
+    return str(path)
+
+
 def _fmt(x: float) -> str:
     return f"{x:.1e}"
 
@@ -192,7 +209,7 @@ def stage_capture(cfg: ParityConfig, rt, reference, target_cat: str, hf_ids: lis
     progress.step("capture")
     failing = [r for r in layers if r["error"] > bound]
     status = "fail" if failing or check["status"] == "fail" else "pass"
-    return {"status": status, "reference": "hf" if cfg.target_hf else "gguf", "reference_path": str(source),
+    return {"status": status, "reference": "hf" if cfg.target_hf else "gguf", "reference_path": display_path(source),
             "target_type": target_cat, "bound": bound, "n_tokens": len(tokens), "layers": layers,
             "layer_check": check}
 
@@ -488,9 +505,9 @@ def run_parity(cfg: ParityConfig, progress_bar: bool = True,
             "name": cfg.name,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "versions": {"dflash_llama": dflash_llama.__version__, "llama_cpp": dflash_llama.llama_cpp_commit()},
-            "inputs": {"target": str(cfg.target), "draft": str(cfg.draft),
-                       "draft_hf": str(cfg.draft_hf) if cfg.draft_hf else None,
-                       "target_hf": str(cfg.target_hf) if cfg.target_hf else None,
+            "inputs": {"target": display_path(cfg.target), "draft": display_path(cfg.draft),
+                       "draft_hf": display_path(cfg.draft_hf) if cfg.draft_hf else None,
+                       "target_hf": display_path(cfg.target_hf) if cfg.target_hf else None,
                        "prompts": [p.id for p in cfg.prompts], "n_predict": cfg.n_predict,
                        "reference_weights": "hf" if cfg.draft_hf else "gguf"},
             "types": {"draft": draft_cat, "target": target_cat, "head": head_type,
