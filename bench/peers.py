@@ -10,7 +10,8 @@ What the tools print, and how it is read:
 - llama-completion (`--no-display-prompt`): stdout is the generated text, then " [end of text]\n"
   if it stopped at an end-of-generation token, then "\n\n". Speed: its `eval time = X ms / R runs`
   (one run per token after the first, the first comes from the prompt's logits).
-- llama-speculative-simple: stdout is "\n\n", the prompt, the generated text, "\n\n". Speed: its
+- llama-speculative-simple: stdout is "\n\n", the prompt, the generated text, "\n\n" after the
+  loop and "\n\n" once more at exit. Speed: its
   `decoded N tokens in T seconds` (the prompt's last token is decoded with the first verify, so
   T covers all N tokens). It stops only once it has passed -n, and native DFlash keeps drafting
   its full n_max near the end, so it decodes 1 to n_max+1 tokens past -n: texts are compared as
@@ -85,9 +86,9 @@ def parse_speculative(stdout: str, stderr: str, prompt: str, n_predict: int) -> 
     `n_predict` the -n it was given (it only stops short of passing -n at end of generation)."""
     tool = "llama-speculative-simple"
     start = stdout.find(prompt)
-    if start < 0 or not stdout.endswith("\n\n"):
-        raise PeerError(f"{tool}: output does not hold the echoed prompt and the final blank line")
-    text = stdout[start + len(prompt): -2]
+    if start < 0 or not stdout.endswith("\n\n\n\n"):
+        raise PeerError(f"{tool}: output does not hold the echoed prompt and the two final blank lines")
+    text = stdout[start + len(prompt): -4]
     n_tokens = int(_number(r"decoded\s+(\d+) tokens in", stderr, "the decoded token count", tool))
     decode_s = _number(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", stderr, "the decode time", tool)
     encode_s = _number(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", stderr, "the encode time", tool)

@@ -98,6 +98,8 @@ def speed_by_block_size(res: dict, path: Path) -> Path:
                         label=f"dflash-llama B={m['block_size']}, N={m['draft_max']}{' (auto)' if m['auto'] else ''}")
         flat = [("runtime-ar", "black", "-", "dflash-llama autoregressive"),
                 ("llama-completion", "dimgray", "--", "llama-completion")]
+        if "llama-spec-ar" in summ:
+            flat.append(("llama-spec-ar", "darkgoldenrod", (0, (2, 2)), "llama-speculative-simple, no drafts"))
         styles = [":", "-.", (0, (3, 1, 1, 1)), (0, (5, 2)), (0, (1, 2))]
         flat += [(m["key"], plt.get_cmap("tab10")(2 + i), styles[i % len(styles)], f"llama.cpp {m['key']}")
                  for i, m in enumerate(m for m in ms if m["kind"] == "ngram")]
@@ -160,13 +162,13 @@ def cost_model(res: dict, path: Path) -> Path:
     fig, ax1 = plt.subplots(figsize=(10, 4.4))
     ns = [p["n_draft"] for p in preds]
     ax2 = ax1.twinx()  # step time bars behind the speed lines
-    ax2.bar(ns, [c["step_ms"] for c in cm["costs"]], color="gray", alpha=0.18, label="measured step time (ms, right axis)")
+    ax2.bar(ns, [c["step_ms"] for c in cm["costs"]], color="gray", alpha=0.18, label="step time (ms, right axis)")
     ax2.set_ylabel("step time, ms")
     ax1.plot(ns, [p["tokens_per_second"] for p in preds], marker="o", color=OURS, label="predicted (pilot prompts)")
     post = cm.get("predictions_bench_acceptance")
     if post:
         ax1.plot([p["n_draft"] for p in post], [p["tokens_per_second"] for p in post], marker="o", ms=3, ls="--",
-                 color=OURS, alpha=0.6, label="predicted with the benchmark prompts' acceptance")
+                 color=OURS, alpha=0.6, label="predicted, benchmark prompts'\nacceptance (check)")
     ax1.axhline(cm["autoregressive_tokens_per_second"], color="black", lw=1, label="plain decoding (pilot prompts)")
     measured = [(m["n_draft"], res["summary"][m["key"]]["tokens_per_second"]) for m in res["methods"]
                 if m["impl"] == "dflash-llama" and m["kind"] == "dflash" and m["block_size"] == cm["block_size"]]
@@ -184,9 +186,9 @@ def cost_model(res: dict, path: Path) -> Path:
     ax1.patch.set_visible(False)
     h1, l1 = ax1.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    fig.legend(h1 + h2, l1 + l2, loc="center left", bbox_to_anchor=(0.72, 0.5), fontsize=8, frameon=False)
+    fig.legend(h1 + h2, l1 + l2, loc="center left", bbox_to_anchor=(0.70, 0.5), fontsize=8, frameon=False)
     ax1.set_title("Cost model: expected speed by draft length")
-    fig.tight_layout(rect=(0, 0, 0.72, 1))
+    fig.tight_layout(rect=(0, 0, 0.70, 1))
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path

@@ -49,13 +49,15 @@ def test_parse_completion_rejects_foreign_output():
 
 def test_parse_speculative_strips_the_echoed_prompt():
     prompt = "def f(x):\n    \"\"\"a\\nb\"\"\"\n"
-    r = peers.parse_speculative("\n\n" + prompt + "    return x\n\n", SPECULATIVE_STDERR, prompt, 16)
-    assert r.text == "    return x"
+    r = peers.parse_speculative("\n\n" + prompt + "    return x\n\n\n\n\n", SPECULATIVE_STDERR, prompt, 16)
+    assert r.text == "    return x\n"
     assert (r.n_tokens, r.decode_ms, r.prompt_ms, r.n_drafted, r.n_accept) == (17, 175.0, 3.0, 98, 12)
     assert r.stopped is False  # 17 tokens > -n 16: it ran past -n, no end of generation
-    assert peers.parse_speculative("\n\n" + prompt + "\n\n", SPECULATIVE_STDERR, prompt, 32).stopped is True
+    assert peers.parse_speculative("\n\n" + prompt + "\n\n\n\n", SPECULATIVE_STDERR, prompt, 32).stopped is True
     with pytest.raises(peers.PeerError, match="echoed prompt"):
-        peers.parse_speculative("\n\nsomething else\n\n", SPECULATIVE_STDERR, prompt, 16)
+        peers.parse_speculative("\n\nsomething else\n\n\n\n", SPECULATIVE_STDERR, prompt, 16)
+    with pytest.raises(peers.PeerError, match="two final blank lines"):
+        peers.parse_speculative("\n\n" + prompt + " x\n\n", SPECULATIVE_STDERR, prompt, 16)
 
 
 def test_peer_exactness_rule():
