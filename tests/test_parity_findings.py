@@ -38,3 +38,16 @@ def test_main_counts_and_refuses_unknown(capsys):
     assert capsys.readouterr().out.count("REPRODUCED") == 2
     assert findings.main(["U9"]) == 255
     assert "unknown finding(s) U9; known: U1, U2, U3, U4, U5" in capsys.readouterr().err
+
+
+def test_u5_patch_applies_to_the_pinned_tree():
+    import subprocess
+
+    from dflash_llama.parity import patched
+
+    patch = patched.PATCHES / "u5-dflash-full-block.patch"
+    assert patched.touched_files(patch) == ["common/speculative.cpp"]
+    r = subprocess.run(["patch", "-p1", "--dry-run", "--forward", "-d", str(patched.ROOT / "third_party" / "llama.cpp"),
+                        "-i", str(patch)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == "checking file common/speculative.cpp"
