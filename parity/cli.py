@@ -4,6 +4,8 @@
                         [--prompts FILE] --out reports/NAME/
     dflash-llama parity --all [--only NAME,...] [--out reports/parity/]
     dflash-llama parity --quant-study [--target T.gguf --draft-hf DIR] --out reports/NAME/quant/
+    dflash-llama parity --default [--outtype f16]          # the embedded pair -> reports/smollm2-135m-dflash/
+    dflash-llama parity --patch patches/u5-dflash-full-block.patch   # a fix, on a copy of the pinned tree
 
 Writes parity.md, parity.json and parity.png into --out; exits 1 when a stage fails (2 for bad
 input). Method and bounds: docs/parity.md.
@@ -51,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant-study", action="store_true",
                    help="the draft at f32, f16, bf16, q8_0 and q4_0: intermediate errors and tau "
                         "(default pair unless --target/--draft-hf are given)")
+    p.add_argument("--patch", type=Path, help="apply a patch (patches/*.patch) to a copy of the pinned llama.cpp, "
+                                              "build the patched llama-speculative-simple and show the finding gone")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -102,6 +106,10 @@ def run_one(args, target, draft, draft_hf, target_hf, out: Path, name: str, note
 
 def main(args) -> int:
     try:
+        if args.patch:
+            from .patched import main as patched_main
+
+            return patched_main([str(args.patch)])
         if args.quant_study:
             from .quant_study import main as quant_main
 

@@ -25,7 +25,10 @@ PATCHES = ROOT / "patches"
 
 
 def build_dir() -> Path:
-    dirs = sorted((ROOT / "build").glob("*/compile_commands.json"))
+    """Our build that compiled the peer tools."""
+    dirs = [p for p in sorted((ROOT / "build").glob("*/compile_commands.json"))
+            if "speculative-simple" in (p.parent / "build.ninja").read_text(errors="replace")] \
+        if (ROOT / "build").exists() else []
     if not dirs:
         raise FileNotFoundError("no build with compile_commands.json under build/: build the package first "
                                 "(DFLASH_LLAMA_PEER_TOOLS=ON pip install --no-build-isolation -e .)")
