@@ -98,17 +98,25 @@ def u3_sliding_layers_non_causal() -> bool:
     return e_nat > 1e-2 and e_rt < 1e-4
 
 
-def u4_logit_scale_ignored() -> bool:
-    """U4: dflash.logit_scale and dflash.final_logit_softcapping are not applied to DFlash 1 drafts
-    anywhere (graph or sampler): draft-dflash's --spec-draft-p-min sees raw probabilities."""
+def u4_probabilities() -> tuple[np.ndarray, np.ndarray]:
+    """Top-token probabilities (top-10 softmax) at block positions 1.. of the U4 fixture: from the
+    raw head output llama.cpp's draft-dflash uses, and from the published (scaled, capped) logits."""
+    import torch
+
+    from dflash_llama.reference.checkpoint import load_draft
+
     _, target, hf, gguf = _tiny("u4", layers=1, target_layer_ids=[1], block_size=8, seed=44,
                                 extra_config={"output_multiplier": 0.25, "final_logit_softcapping": 2.0})
     rt, native, feats, block, ref, ours, nat = _traces(target, gguf, hf)
-    from dflash_llama.reference.checkpoint import load_draft
-
     raw = nat["result_output"].reshape(len(block), -1)[1:]
-    published = load_draft(gguf).finish_logits(__import__("torch").from_numpy(raw)).numpy()
-    p_raw, p_pub = _top_p(raw), _top_p(published)
+    published = load_draft(gguf).finish_logits(torch.from_numpy(raw)).numpy()
+    return _top_p(raw), _top_p(published)
+
+
+def u4_logit_scale_ignored() -> bool:
+    """U4: dflash.logit_scale and dflash.final_logit_softcapping are not applied to DFlash 1 drafts
+    anywhere (graph or sampler): draft-dflash's --spec-draft-p-min sees raw probabilities."""
+    p_raw, p_pub = u4_probabilities()
     print(f"U4: logit_scale 0.25, softcap 2.0: top-token probability (top-10 softmax, what "
           f"--spec-draft-p-min compares) draft-dflash {p_raw.mean():.3f}, published logits {p_pub.mean():.3f} "
           f"(mean over the block)")
