@@ -13,10 +13,8 @@
 from __future__ import annotations
 
 import datetime as _dt
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -273,7 +271,6 @@ def stage_end_to_end(cfg: ParityConfig, rt_e2e, rt, native, reference_target, re
 
     if reference_target.vocab_size != rt.n_vocab:
         raise ValueError(f"the reference target has {reference_target.vocab_size} tokens, the GGUF {rt.n_vocab}")
-    eos = [t for t in reference_target.eos_token_ids]
     n = cfg.n_predict
     block = rt.block_size
     rows = []
@@ -465,8 +462,7 @@ def _load_target(path):
     return Target.load(path)
 
 
-def run_parity(cfg: ParityConfig, progress_bar: bool = True,
-               log: Callable[[str], None] | None = None) -> dict:
+def run_parity(cfg: ParityConfig, progress_bar: bool = True) -> dict:
     """Run every stage on one target/draft pair; the report dict (parity.json's content)."""
     import torch
 
