@@ -441,11 +441,13 @@ def first_divergence(report: dict) -> dict | None:
     for impl, ok in (e2e.get("greedy_exact") or {}).items():
         if not ok:
             bad = next(r for r in e2e["prompts"] if not r[impl]["greedy_exact"])
-            why = bad[impl].get("error") or f"first differing token at {bad[impl].get('first_mismatch')}"
-            why = why.strip().splitlines()[-1] if bad[impl].get("error") else why
-            return {"stage": "end_to_end", "name": f"{impl} greedy output", "layer": None,
-                    "message": f"{impl}: greedy speculative output differs from greedy target output on "
-                               f"{bad['prompt']} ({why})"}
+            if bad[impl].get("error"):
+                message = (f"{impl}: the speculative loop failed on {bad['prompt']} "
+                           f"({bad[impl]['error'].strip().splitlines()[-1]})")
+            else:
+                message = (f"{impl}: greedy speculative output differs from greedy target output on "
+                           f"{bad['prompt']} (first differing token at {bad[impl].get('first_mismatch')})")
+            return {"stage": "end_to_end", "name": f"{impl} greedy output", "layer": None, "message": message}
     return None
 
 
