@@ -48,6 +48,40 @@ def test_writes_every_file(bench_run):
     assert res["settings"]["stopped_by_budget"] is False and "--budget-min 20" in res["command"]
 
 
+ROW_KEYS = {"prompt", "method", "label", "impl", "kind", "block_size", "n_draft", "spec_type", "auto", "exact",
+            "exact_against", "first_difference", "first_difference_unit", "same_text_as_llama_completion",
+            "n_tokens", "decode_tokens", "decode_ms", "tokens_per_second", "prefill_ms", "time_split_ms",
+            "stop_reason"}
+OUR_SPECULATIVE_KEYS = {"tau", "steps", "n_drafted", "n_accepted", "acceptance_rate", "acceptance_by_position",
+                        "acceptance_lengths", "drafted_per_step", "accepted_per_step"}
+
+
+def test_bench_json_schema(bench_run):
+    _, _, res, _, _ = bench_run
+    assert set(res) == {"schema", "meta", "settings", "methods", "summary", "ratios", "cost_model", "server",
+                        "rows", "texts", "command"}
+    assert {"cpu", "nproc", "started", "wall_s", "command_wall_s", "llama_cpp", "loadavg_start"} <= set(res["meta"])
+    for r in res["rows"]:
+        keys = set(r)
+        if r["impl"] == "dflash-llama" and r["kind"] == "dflash":
+            assert keys == ROW_KEYS | OUR_SPECULATIVE_KEYS
+        elif r["kind"] == "dflash":  # native: its counters, tau derived from them
+            assert keys == ROW_KEYS | {"n_drafted", "n_accepted", "acceptance_rate", "steps", "tau"}
+        elif r["impl"] == "llama.cpp" and r["method"] != "llama-completion":
+            assert keys == ROW_KEYS | {"n_drafted", "n_accepted", "acceptance_rate"}
+        else:
+            assert keys == ROW_KEYS
+    for it in res["summary"].values():
+        assert {"label", "tokens_per_second", "speedup_vs_llama-completion", "speedup_vs_runtime-ar",
+                "median_prompt_speedup_vs_llama-completion", "exact", "all_exact", "prompts"} <= set(it)
+    assert {"costs", "predictions", "pick", "survival", "used_n_draft", "measured_key", "checks",
+            "autoregressive_tokens_per_second"} <= set(res["cost_model"])
+    assert set(res["server"]) == {"command", "n_max", "pid", "prompts", "levels"}
+    assert {"concurrency", "throughput_tokens_per_second", "latency_s", "exact", "requests_detail"} <= \
+        set(res["server"]["levels"][0])
+    assert set(res["server"]["levels"][0]["latency_s"]) == {"mean", "p50", "p90", "p99", "max"}
+
+
 def test_methods_and_rows(bench_run):
     _, _, res, _, _ = bench_run
     assert res["schema"] == "dflash-llama-bench/1"
