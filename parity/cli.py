@@ -178,7 +178,8 @@ def _main_all(args) -> int:
         rows.append((pair.name, verdict, fd["message"] if fd else ""))
     out_root.mkdir(parents=True, exist_ok=True)
     lines = ["# Parity: every registry pair", "", "| pair | result | first divergence |", "|---|---|---|"]
-    lines += [f"| [{n}]({n}/parity.md) | {v} | {d.replace('|', '/')} |" for n, v, d in rows]
+    lines += [f"| {n if v == 'skipped' else f'[{n}]({n}/parity.md)'} | {v} | {d.replace('|', '/')} |"
+              for n, v, d in rows]
     (out_root / "summary.md").write_text("\n".join(lines) + "\n")
     (out_root / "summary.json").write_text(json.dumps(
         [{"pair": n, "result": v, "first_divergence": d} for n, v, d in rows], indent=1) + "\n")

@@ -118,3 +118,33 @@ def test_first_reader_covers_every_tensor():
         assert reader in graph_order(4), (name, reader)
     assert first_reader("blk.1.attn_k.weight") == "Kcur_injected-1"
     assert first_reader("blk.0.ffn_norm.weight") == "ffn_norm-0"
+
+
+def test_first_divergence_order_and_messages():
+    from dflash_llama.parity.stages import first_divergence
+
+    names = graph_order(1)
+    errors = {"reference/runtime": {n: 1e-7 for n in names}}
+    bounds = {"reference/runtime": {n: 1e-4 for n in names}}
+    errors["reference/runtime"]["ffn_out-0"] = 0.5
+    graph = {"names": names, "errors": errors, "bounds": bounds, "missing": {},
+             "failures": [{"name": "ffn_out-0", "pair": "reference/runtime", "error": 0.5, "bound": 1e-4}]}
+    bad_q = {"name": "blk.0.attn_q.weight", "passed": False, "error": 0.3, "requant_error": 0.3, "bound": 1e-7}
+    ok_cap = {"bound": 1e-4, "layers": [{"layer": 0, "error": 1e-6}], "layer_check": {"status": "pass"}}
+    report = {"stages": {"capture": ok_cap, "converter": {"tensors": [bad_q]}, "graph": graph, "end_to_end": {}}}
+    fd = first_divergence(report)  # Qcur-0 (the reader of attn_q) comes before ffn_out-0
+    assert (fd["stage"], fd["name"], fd["tensor"]) == ("converter", "Qcur-0", "blk.0.attn_q.weight")
+    report["stages"]["converter"]["tensors"] = []
+    fd = first_divergence(report)
+    assert fd["name"] == "ffn_out-0" and fd["message"].startswith(
+        "ffn_out-0 (draft layer 0): reference/runtime relative error 5.0e-01 > bound 1.0e-04")
+    report["stages"]["capture"]["layers"][0]["error"] = 1.0
+    assert first_divergence(report)["name"] == "target_feat-0"
+    e2e = {"greedy_exact": {"runtime": True, "native": False},
+           "prompts": [{"prompt": "p0", "runtime": {"greedy_exact": True},
+                        "native": {"greedy_exact": False, "error": "exited with code -6:\nGGML_ASSERT(x) failed"}}]}
+    clean = {"stages": {"capture": {"bound": 1, "layers": [], "layer_check": {"status": "pass"}},
+                        "converter": {"tensors": []}, "graph": {"names": names, "failures": [], "errors": {},
+                                                                 "bounds": {}, "missing": {}},
+                        "end_to_end": e2e}}
+    assert first_divergence(clean)["message"] == "native: the speculative loop failed on p0 (GGML_ASSERT(x) failed)"
