@@ -112,8 +112,10 @@ def _run(cmd: list[str], timeout_s: float) -> tuple[str, str]:
 
 
 def _common(target: str, prompt: str, n_predict: int, threads: int, n_ctx: int) -> list[str]:
+    # -fa off, as our runtime: on the CPU, flash attention makes a token's logits depend on how its
+    # batch was split once the cache passes 256 cells, which no exact speculative decoder can afford
     return ["-m", str(target), "-p", prompt, "--no-escape", "-n", str(n_predict), "-t", str(threads),
-            "-tb", str(threads), "-c", str(n_ctx), "--temp", "0", "--seed", "0"]
+            "-tb", str(threads), "-c", str(n_ctx), "--temp", "0", "--seed", "0", "-fa", "off"]
 
 
 def completion(target: str, prompt: str, n_predict: int, *, threads: int, n_ctx: int,

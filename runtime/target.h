@@ -20,6 +20,7 @@ struct target_params {
     int32_t n_threads    = 0;   // 0: all hardware threads
     int32_t n_gpu_layers = 0;
     bool    kv_f32       = false;  // f32 KV cache (parity runs); llama.cpp's default is f16
+    bool    flash_attn   = false;  // faster on GPUs; on the CPU it breaks bit-exact verification
     int32_t n_seq        = 1;      // sequences decoded side by side (batched generation); n_ctx is per sequence
 };
 

@@ -134,12 +134,15 @@ def test_verify_logits_equal_decode_logits_bit_for_bit(which, tiny_target_gguf, 
     """Why exactness holds by construction: a batched verify computes, for every position, the very
     logits one-token decoding computes (the build keeps llamafile's sgemm off)."""
     target = tiny_target_gguf if which == "tiny_f32" else smollm2_gguf
-    rt = dflash_llama.Runtime(target, n_threads=2, n_ctx=512)
-    tokens = rt.tokenize(humaneval_prompts(1)[0])[:48]
-    one = rt.target_logits(tokens, one_at_a_time=True, n_prefill=24)
-    for block in (2, 8, 16):  # verify-sized batches after a 24-token prefix
-        batched = np.concatenate([rt.target_logits(tokens[:24 + block])[24:]])
-        assert np.array_equal(batched, one[24:24 + block]), f"block {block}"
+    rt = dflash_llama.Runtime(target, n_threads=2, n_ctx=1024)
+    tokens = rt.tokenize("".join(humaneval_prompts(4)))[:340]
+    assert len(tokens) == 340
+    # prefixes on both sides of 256 cached tokens (where CPU flash attention would lose this)
+    for prefix in (24, 300):
+        one = rt.target_logits(tokens[:prefix + 16], one_at_a_time=True, n_prefill=prefix)
+        for block in (2, 8, 16):  # verify-sized batches after the prefix
+            batched = rt.target_logits(tokens[:prefix + block])[prefix:]
+            assert np.array_equal(batched, one[prefix:prefix + block]), f"prefix {prefix}, block {block}"
 
 
 def chi2_pvalue(stat: float, dof: int) -> float:
