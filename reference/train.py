@@ -53,6 +53,7 @@ class TrainConfig:
     vocab_subset: int = 8192  # 0: full vocabulary in the loss
     heldout: int = 64  # sequences held out for the tau estimate
     eval_every: int = 200  # optimizer steps
+    bf16: bool = True  # autocast matmuls to bf16 (1.6x faster on a CPU with AVX512-BF16; weights stay f32)
     seed: int = 0
 
     def resolved_gamma(self) -> float:
@@ -322,9 +323,10 @@ def train(data_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_dir: 
             b = make_batch(*sequences[rng.choice(train_ids)], cfg.block_size, cfg.anchors, rng)
             if b is None:
                 continue
-            loss = batch_loss(draft, b, weights, vocab, vocab_index) / cfg.batch
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                loss = batch_loss(draft, b, weights, vocab, vocab_index) / cfg.batch
             loss.backward()
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, cfg.clip)
         opt.step()
         sched.step()
