@@ -37,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all)")
+    p.add_argument("--evaluate", action="store_true",
+                   help="after training, evaluate on HumanEval: our runtime, llama.cpp's draft-dflash (checkpoint "
+                        "converted by the pinned converter) and the dflash package; writes OUT/eval.json")
+    p.add_argument("--eval-only", action="store_true", help="evaluate the checkpoint in --out, train nothing")
+    p.add_argument("--eval-prompts", type=int, default=164, help="HumanEval prompts for the evaluation")
+    p.add_argument("--eval-published-prompts", type=int, default=40,
+                   help="of those, how many the (slow) dflash package decodes")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -76,6 +83,9 @@ def main(args: argparse.Namespace) -> int:
         print("dflash-llama train: error: --block-size must be at least 2", file=sys.stderr)
         return 2
 
+    if args.eval_only:
+        return _evaluate(args, target)
+
     data = args.data or args.out / "data"
     prompts = code_prompts(limit=args.prompts or None, seed=args.seed,
                            packages=[p for p in args.packages.split(",") if p])
@@ -95,4 +105,16 @@ def main(args: argparse.Namespace) -> int:
     (args.out / "train_log.json").write_text(json.dumps({**summary, "loss": log.loss,
                                                          "heldout_tau_curve": log.heldout_tau}, indent=1))
     print(json.dumps(summary))
-    return 0
+    return _evaluate(args, target) if args.evaluate else 0
+
+
+def _evaluate(args: argparse.Namespace, target: Path) -> int:
+    from .train_eval import evaluate
+
+    if not (args.out / "config.json").exists():
+        print(f"dflash-llama train: error: no checkpoint in {args.out} to evaluate", file=sys.stderr)
+        return 1
+    ev = evaluate(args.out, target, args.out, n_prompts=args.eval_prompts, n_published=args.eval_published_prompts,
+                  block_size=args.block_size, threads=args.threads)
+    print(ev.markdown())
+    return 0 if all(s.exact is not False for s in ev.scores) else 3

@@ -1,0 +1,205 @@
+"""Evaluating a trained draft three ways, on held-out HumanEval prompts (greedy, block B):
+
+1. our runtime: tau and acceptance rate, every output checked equal to autoregressive decoding;
+2. the same checkpoint converted by the *pinned llama.cpp converter*, run by the pinned
+   `llama-speculative-simple --spec-type draft-dflash`: its acceptance rate (n_accept / n_drafted);
+3. the published `dflash` package: `DFlashDraftModel.from_pretrained` on the checkpoint and its
+   `dflash_generate` on the PyTorch target (transformers, the GGUF dequantised to f32).
+
+Acceptance rate = accepted drafted tokens / drafted tokens; tau = tokens produced per verify.
+The tools decode the same prompts; (3) is slow on a CPU, so it may take a subset (`n_published`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class EngineScore:
+    engine: str
+    prompts: int
+    tokens: int
+    steps: int  # target verifies
+    drafted: int
+    accepted: int
+    seconds: float
+    exact: bool | None = None  # greedy output == target greedy output (our runtime)
+    note: str = ""
+
+    @property
+    def tau(self) -> float:
+        return (self.tokens - self.prompts) / self.steps if self.steps else 0.0  # the first token is the prefill's
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "tau": round(self.tau, 4), "acceptance_rate": round(self.acceptance_rate, 4)}
+
+
+@dataclass
+class DraftEvaluation:
+    checkpoint: str
+    target: str
+    block_size: int
+    n_predict: int
+    scores: list[EngineScore] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"checkpoint": self.checkpoint, "target": self.target, "block_size": self.block_size,
+                "n_predict": self.n_predict, "scores": [s.to_json() for s in self.scores]}
+
+    def markdown(self) -> str:
+        rows = ["| engine | prompts | tau | acceptance rate | exact | seconds | note |", "|---|---:|---:|---:|---|---:|---|"]
+        for s in self.scores:
+            exact = "" if s.exact is None else ("yes" if s.exact else "NO")
+            rows.append(f"| {s.engine} | {s.prompts} | {s.tau:.3f} | {s.acceptance_rate:.3f} | {exact} | "
+                        f"{s.seconds:.0f} | {s.note} |")
+        return "\n".join(rows)
+
+
+def humaneval_prompts() -> list[str]:
+    from dflash_llama.bench.prompts import humaneval
+
+    return [p.text for p in humaneval()]
+
+
+def score_runtime(target: Path, draft_gguf: Path, prompts: list[str], n_predict: int, block_size: int,
+                  threads: int, progress: bool = True) -> EngineScore:
+    from tqdm import tqdm
+
+    from dflash_llama.runtime import Runtime
+
+    rt = Runtime(target, draft_gguf, n_threads=threads, n_ctx=2048)
+    s = EngineScore("dflash-llama runtime", 0, 0, 0, 0, 0, 0.0, exact=True)
+    t0 = time.perf_counter()
+    for p in tqdm(prompts, desc="runtime", disable=not progress):
+        g = rt.generate(p, n_predict, block_size=block_size)
+        if g.tokens != rt.autoregressive(p, n_predict).tokens:
+            s.exact = False
+        s.prompts += 1
+        s.tokens += len(g.tokens)
+        s.steps += len(g.steps)
+        s.drafted += sum(len(x.drafted) for x in g.steps)
+        s.accepted += sum(x.accepted for x in g.steps)
+    s.seconds = time.perf_counter() - t0
+    return s
+
+
+def score_native(target: Path, checkpoint: Path, prompts: list[str], n_predict: int, block_size: int,
+                 threads: int, work: Path, progress: bool = True) -> EngineScore:
+    """The checkpoint converted by the pinned converter (it needs the target's HF dir: we write one
+    holding the config and tokenizer transformers reads from the GGUF), run by llama.cpp."""
+    from tqdm import tqdm
+
+    from dflash_llama import fixtures
+    from dflash_llama.bench import peers
+
+    hf = work / "target-hf"
+    if not (hf / "config.json").exists():
+        _target_hf_dir(target, hf)
+    gguf = work / "draft-pinned-f16.gguf"
+    if not gguf.exists():
+        fixtures.run_pinned_converter([str(checkpoint), "--target-model-dir", str(hf), "--outfile", str(gguf),
+                                       "--outtype", "f16"])
+    s = EngineScore("llama.cpp draft-dflash (pinned converter)", 0, 0, 0, 0, 0, 0.0,
+                    note=f"--spec-draft-n-max {block_size - 1}, -fa off")
+    t0 = time.perf_counter()
+    for p in tqdm(prompts, desc="llama.cpp", disable=not progress):
+        r = peers.speculative(str(target), p, n_predict, "draft-dflash", threads=threads, n_ctx=2048,
+                              draft=str(gguf), n_max=block_size - 1)
+        s.prompts += 1
+        s.drafted += r.n_drafted
+        s.accepted += r.n_accept
+        s.tokens += r.n_tokens
+    s.steps = 0  # the tool does not report its verify count; the acceptance rate is what compares
+    s.seconds = time.perf_counter() - t0
+    return s
+
+
+def _target_hf_dir(target: Path, out: Path) -> None:
+    """What the pinned converter reads from a target HF dir, for a GGUF-only target: its tokenizer
+    (as transformers reads it from the GGUF) and a config. The config names the qwen3 architecture
+    whatever the target's: llama.cpp's llama vocab handler would read this tokenizer as
+    SentencePiece, the qwen3 one reads it as the GGUF has it (gpt2 BPE, pre-tokenizer smollm)."""
+    from transformers import AutoTokenizer
+
+    from dflash_llama import gguf_info
+
+    info = gguf_info(target)
+    out.mkdir(parents=True, exist_ok=True)
+    AutoTokenizer.from_pretrained(target.parent, gguf_file=target.name).save_pretrained(out)
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "hidden_size": info.get("embedding_length"), "num_hidden_layers": info.block_count,
+        "num_attention_heads": info.get("attention.head_count"),
+        "vocab_size": len(info.metadata["tokenizer.ggml.tokens"])}, indent=1))
+
+
+def score_published(target: Path, checkpoint: Path, prompts: list[str], n_predict: int, block_size: int,
+                    progress: bool = True) -> EngineScore:
+    """`dflash==0.1.0` on the PyTorch target (transformers' GGUF loader, f32)."""
+    import time as _time
+
+    import dflash.model as published
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from .target import Target
+
+    target_model = Target.load(target).model
+    tokenizer = AutoTokenizer.from_pretrained(target.parent, gguf_file=target.name)
+    draft = published.DFlashDraftModel.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    s = EngineScore("dflash==0.1.0 (PyTorch target, f32)", 0, 0, 0, 0, 0, 0.0,
+                    note="drafted = verify size - 1 per verify")
+    real_clock = published._cuda_time
+    published._cuda_time = _time.perf_counter  # its statistics synchronise CUDA otherwise
+    t0 = time.perf_counter()
+    try:
+        for p in tqdm(prompts, desc="dflash package", disable=not progress):
+            ids = torch.tensor([tokenizer(p)["input_ids"]])
+            r = published.dflash_generate(draft, target_model, ids, n_predict, [tokenizer.eos_token_id],
+                                          block_size=block_size, return_stats=True)
+            s.prompts += 1
+            s.tokens += r.num_output_tokens
+            s.steps += len(r.acceptance_lengths)
+            start = ids.shape[1]
+            for produced in r.acceptance_lengths:  # verify size as dflash_generate chooses it
+                s.drafted += min(block_size, ids.shape[1] + n_predict - start) - 1
+                s.accepted += produced - 1
+                start += produced
+    finally:
+        published._cuda_time = real_clock
+    s.seconds = time.perf_counter() - t0
+    return s
+
+
+def evaluate(checkpoint: Path, target: Path, out: Path, *, n_prompts: int = 164, n_published: int = 40,
+             n_predict: int = 128, block_size: int = 8, threads: int = 0, engines=("runtime", "native", "published"),
+             progress: bool = True) -> DraftEvaluation:
+    from dflash_llama.run_cli import draft_gguf
+
+    prompts = humaneval_prompts()[:n_prompts]
+    ev = DraftEvaluation(str(checkpoint), str(target), block_size, n_predict)
+    work = out / "eval-work"
+    work.mkdir(parents=True, exist_ok=True)
+    if "runtime" in engines:
+        ev.scores.append(score_runtime(target, draft_gguf(checkpoint, target, "f16"), prompts, n_predict,
+                                       block_size, threads, progress))
+    if "native" in engines:
+        ev.scores.append(score_native(target, checkpoint, prompts, n_predict, block_size, threads, work, progress))
+    if "published" in engines:
+        sub = prompts[:n_published]
+        if "runtime" in engines and n_published < len(prompts):  # the same subset, for a like-for-like ratio
+            ev.scores.append(score_runtime(target, draft_gguf(checkpoint, target, "f16"), sub, n_predict,
+                                           block_size, threads, progress))
+            ev.scores[-1].engine += f" (first {n_published})"
+        ev.scores.append(score_published(target, checkpoint, sub, n_predict, block_size, progress))
+    (out / "eval.json").write_text(json.dumps(ev.to_json(), indent=1) + "\n")
+    return ev
