@@ -258,9 +258,9 @@ class TrainLog:
     wall_s: float = 0.0
 
 
-def train(data_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_dir: str | os.PathLike,
+def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, out_dir: str | os.PathLike,
           cfg: TrainConfig, progress: bool = True, threads: int = 0) -> TrainLog:
-    """Train (or resume) a draft on a dataset built by train_data.build_dataset."""
+    """Train (or resume) a draft on datasets built by train_data.build_dataset (one or several)."""
     from tqdm import tqdm
 
     from .train_data import iter_sequences
@@ -269,18 +269,21 @@ def train(data_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_dir: 
         torch.set_num_threads(threads)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
-    if list(manifest["layer_ids"]) != list(cfg.target_layer_ids):
-        raise ValueError(f"the dataset holds features of target layers {manifest['layer_ids']}, "
-                         f"not {cfg.target_layer_ids}")
+    data_dirs = [data_dirs] if isinstance(data_dirs, (str, os.PathLike)) else list(data_dirs)
+    sequences = []
+    for data_dir in data_dirs:
+        manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
+        if list(manifest["layer_ids"]) != list(cfg.target_layer_ids):
+            raise ValueError(f"{data_dir} holds features of target layers {manifest['layer_ids']}, "
+                             f"not {cfg.target_layer_ids}")
+        sequences += list(iter_sequences(data_dir))
     t = target_weights_from_gguf(target_gguf)
-    sequences = list(iter_sequences(data_dir))
     rng = random.Random(cfg.seed)
     order = list(range(len(sequences)))
     rng.shuffle(order)
     heldout_ids, train_ids = order[:cfg.heldout], order[cfg.heldout:]
     if not train_ids:
-        raise ValueError(f"{data_dir} has {len(sequences)} sequences: not enough to train")
+        raise ValueError(f"{data_dirs} hold {len(sequences)} sequences: not enough to train")
 
     draft = init_draft(draft_config(cfg, t), cfg.seed)
     draft.attach_target(t.embed_tokens, t.lm_head)

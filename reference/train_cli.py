@@ -18,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model (GGUF)")
     p.add_argument("--out", required=True, type=Path, help="output folder for the draft (HF format)")
     p.add_argument("--data", type=Path, help="dataset folder (default: OUT/data); built if missing")
+    p.add_argument("--extra-data", type=Path, action="append", default=[],
+                   help="another dataset folder (same target layers) to train on as well; repeatable")
     p.add_argument("--prompts", type=int, default=0, help="number of training prompts (default: all)")
     p.add_argument("--packages", default="", help="installed packages to take prompts from, besides the "
                    "standard library (comma-separated)")
@@ -99,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
                       mask_token_id=args.mask_token_id, ffn=args.ffn, epochs=args.epochs, lr=args.lr,
                       batch=args.batch, anchors=args.anchors, vocab_subset=args.vocab_subset,
                       eval_every=args.eval_every, seed=args.seed)
-    log = train(data, target, args.out, cfg, threads=args.threads)
+    log = train([data, *args.extra_data], target, args.out, cfg, threads=args.threads)
     summary = {"steps": log.steps[-1] if log.steps else 0, "final_loss": log.loss[-1] if log.loss else None,
                "heldout_tau": log.heldout_tau[-1][1] if log.heldout_tau else None, "wall_s": round(log.wall_s, 1)}
     (args.out / "train_log.json").write_text(json.dumps({**summary, "loss": log.loss,

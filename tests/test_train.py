@@ -1,0 +1,108 @@
+"""The trainer: prompts without HumanEval, a dataset captured by the runtime, training that learns,
+resumes, and writes a checkpoint every loader reads."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import dflash_llama
+from dflash_llama.converter import convert
+from dflash_llama.reference.checkpoint import load_draft
+from dflash_llama.reference.train import TrainConfig, make_batch, position_weights, train
+from dflash_llama.reference.train_data import DatasetSpec, build_dataset, code_prompts, iter_sequences
+
+LAYERS = [1, 3]
+
+
+def test_prompts_are_humaneval_shaped_and_exclude_humaneval():
+    from dflash_llama.bench.prompts import humaneval
+
+    prompts = code_prompts(limit=300, seed=3)
+    assert len(prompts) == 300
+    held_out = {p.text for p in humaneval()}
+    assert not held_out & set(prompts)
+    for p in prompts:
+        assert p.startswith(("def ", "async def ")) and '    """' in p and p.endswith("\n")
+        compile(p + "    pass\n", "<prompt>", "exec")  # a complete, valid function once a body is added
+    assert code_prompts(limit=300, seed=3) == prompts  # deterministic
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny_target_gguf, tmp_path_factory):
+    rt = dflash_llama.Runtime(tiny_target_gguf, n_threads=2, n_ctx=256)
+    out = tmp_path_factory.mktemp("train_data")
+    spec = DatasetSpec(target=str(tiny_target_gguf), layer_ids=LAYERS, max_new_tokens=24, shard_size=3, n_ctx=256)
+    prompts = code_prompts(limit=8, seed=1)
+    build_dataset(rt, prompts, out, spec, progress=False)
+    return out, rt, prompts
+
+
+def test_dataset_holds_the_targets_own_responses_and_features(dataset):
+    out, rt, prompts = dataset
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["prompts_done"] == 8 and len(manifest["shards"]) == 3  # shards of 3, 3, 2
+    seqs = list(iter_sequences(out))
+    assert len(seqs) == 8
+    for (tokens, prompt_len, feats), prompt in zip(seqs, prompts):
+        ptoks = rt.tokenize(prompt)
+        assert prompt_len == len(ptoks) and list(tokens[:prompt_len]) == ptoks
+        assert list(tokens[prompt_len:]) == rt.autoregressive(ptoks, 24).tokens  # greedy response
+        assert feats.dtype == np.float16 and feats.shape == (len(tokens), 2 * 64)
+        np.testing.assert_array_equal(feats, rt.capture(list(tokens), LAYERS).astype(np.float16))
+
+
+def test_a_rerun_resumes_instead_of_redoing(dataset, tmp_path):
+    out, rt, prompts = dataset
+    before = (out / "manifest.json").read_text()
+    spec = DatasetSpec(target="x", layer_ids=LAYERS, max_new_tokens=24, shard_size=3, n_ctx=256)
+    build_dataset(rt, prompts, out, spec, progress=False)
+    assert (out / "manifest.json").read_text() == before
+    with pytest.raises(ValueError, match="holds a dataset with other settings"):
+        build_dataset(rt, prompts, out, DatasetSpec(target="x", layer_ids=[0], max_new_tokens=24), progress=False)
+
+
+def test_batches_follow_the_recipe():
+    import random
+
+    tokens = np.arange(100, 140, dtype=np.int32)
+    feats = np.zeros((40, 8), dtype=np.float16)
+    b = make_batch(tokens, 10, feats, block_size=4, n_anchors=5, rng=random.Random(0))
+    assert len(b.anchors) == 5 and all(10 <= a < 39 for a in b.anchors.tolist())
+    for a, t in zip(b.anchors.tolist(), b.targets.tolist()):  # position k predicts token a + k, -1 past the end
+        assert t == [int(tokens[a + k]) if a + k < 40 else -1 for k in range(1, 4)]
+    assert torch.allclose(position_weights(8, 4.0), torch.exp(-torch.arange(7) / 4.0))
+
+
+def test_training_learns_resumes_and_writes_a_loadable_checkpoint(dataset, tiny_target_gguf, tiny_target_hf,
+                                                                 tmp_path):
+    out_data, rt, _ = dataset
+    cfg = TrainConfig(target_layer_ids=LAYERS, layers=1, block_size=4, heads=4, kv_heads=2, head_dim=16, ffn=64,
+                      epochs=12.0, batch=2, anchors=8, heldout=2, eval_every=12, lr=5e-3, vocab_subset=512,
+                      mask_token_id=0, seed=0)
+    ckpt = tmp_path / "draft"
+    log = train(out_data, tiny_target_gguf, ckpt, cfg, progress=False, threads=2)
+    assert log.steps[-1] == 36  # 12 epochs of 6 training sequences, 2 per step
+    assert np.mean(log.loss[-4:]) < 0.8 * np.mean(log.loss[:4]), log.loss  # measured: 6.27 -> 4.53
+    # resumable: a longer run continues from the saved step
+    cfg.epochs = 14.0
+    log2 = train(out_data, tiny_target_gguf, ckpt, cfg, progress=False, threads=2)
+    assert log2.steps[0] == 1 and log2.steps[-1] == 42 and log2.loss[:36] == log.loss[:36]
+
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": LAYERS}
+    # the reference, our converter + runtime, and the published package all read it
+    from dflash.model import DFlashDraftModel
+
+    published = DFlashDraftModel.from_pretrained(str(ckpt), dtype=torch.float32)
+    assert published.target_layer_ids == LAYERS and published.block_size == 4
+    ours = load_draft(ckpt)
+    assert ours.config.target_layer_ids == LAYERS
+    gguf = convert(ckpt, tiny_target_gguf, tmp_path / "draft.gguf", outtype="f32")
+    spec = dflash_llama.Runtime(tiny_target_gguf, gguf, n_threads=2, n_ctx=256)
+    g = spec.generate("def add(a, b):", 24)
+    assert g.tokens == spec.autoregressive("def add(a, b):", 24).tokens
