@@ -60,7 +60,8 @@ class LlamaServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [str(paths.tool("llama-server")), "-m", str(target), "--host", "127.0.0.1",
                     "--port", str(self.port), "-t", str(threads), "-tb", str(threads),
-                    "-c", str(n_ctx * n_parallel), "-np", str(n_parallel), "--no-webui"]
+                    "-c", str(n_ctx * n_parallel), "-np", str(n_parallel), "--no-webui",
+                    "-fa", "off"]  # as every tool of the bench: CPU flash attention is not batch-invariant
         if draft is not None:
             self.cmd += ["-md", str(draft), "--spec-type", spec_type, "-td", str(threads), "-tbd", str(threads)]
             if n_max is not None:

@@ -169,7 +169,9 @@ def test_server_levels_and_no_process_left(bench_run):
               if m["key"].startswith("native-")}
     assert srv["n_max"] == max(native, key=native.get) and srv["prompts"] == ["HumanEval/0", "HumanEval/163"]
     for lv in srv["levels"]:
-        assert lv["requests"] == 2 and lv["exact"] == 2
+        # one request at a time must reproduce llama-completion; concurrent requests share llama.cpp's
+        # batches, whose kernels may move a near-tie (reported per level, a finding when it happens)
+        assert lv["requests"] == 2 and (lv["exact"] == 2 if lv["concurrency"] == 1 else 0 <= lv["exact"] <= 2)
         assert lv["latency_s"]["p50"] <= lv["latency_s"]["max"]
     assert "--spec-type" in srv["command"] and "draft-dflash" in srv["command"]
     assert srv["pid"] not in after and after == before
