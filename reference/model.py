@@ -42,6 +42,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dflash_llama.converter.checkpoint import default_target_layer_ids  # noqa: F401  (one rule, re-exported)
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -97,14 +99,6 @@ class DraftConfig:
 
     def layer_window(self, il: int) -> int | None:
         return self.sliding_window if self.layer_types[il] == SLIDING_ATTENTION else None
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The published default taps: the middle layer for one draft layer, else spread over 1..T-3."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
 class RMSNorm(nn.Module):
