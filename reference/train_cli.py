@@ -21,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extra-data", type=Path, action="append", default=[],
                    help="another dataset folder (same target layers) to train on as well; repeatable")
     p.add_argument("--prompts", type=int, default=0, help="number of training prompts (default: all)")
+    p.add_argument("--prompt-offset", type=int, default=0,
+                   help="skip this many prompts of the (seeded, shuffled) list: datasets built in parallel")
     p.add_argument("--packages", default="", help="installed packages to take prompts from, besides the "
                    "standard library (comma-separated)")
     p.add_argument("--max-new-tokens", type=int, default=192, help="target response length per prompt")
@@ -89,8 +91,8 @@ def main(args: argparse.Namespace) -> int:
         return _evaluate(args, target)
 
     data = args.data or args.out / "data"
-    prompts = code_prompts(limit=args.prompts or None, seed=args.seed,
-                           packages=[p for p in args.packages.split(",") if p])
+    prompts = code_prompts(seed=args.seed, packages=[p for p in args.packages.split(",") if p])
+    prompts = prompts[args.prompt_offset:][:args.prompts or None]
     spec = DatasetSpec(target=str(target), layer_ids=layer_ids, max_new_tokens=args.max_new_tokens,
                        n_ctx=1024)
     rt = Runtime(target, None, n_threads=args.threads, n_ctx=spec.n_ctx, n_batch=512)
@@ -119,4 +121,9 @@ def _evaluate(args: argparse.Namespace, target: Path) -> int:
     ev = evaluate(args.out, target, args.out, n_prompts=args.eval_prompts, n_published=args.eval_published_prompts,
                   block_size=args.block_size, threads=args.threads)
     print(ev.markdown())
+    from .model_card import write_model_card
+
+    card = write_model_card(args.out, [args.data or args.out / "data", *args.extra_data],
+                            "dflash-llama train " + " ".join(sys.argv[2:]))
+    print(f"model card: {card}")
     return 0 if all(s.exact is not False for s in ev.scores) else 3
