@@ -1,14 +1,27 @@
-"""dflash_llama.reference: the DFlash draft, target adapter and speculative loop in PyTorch."""
+"""dflash_llama.reference: the DFlash draft, target adapter and speculative loop in PyTorch.
 
-from .checkpoint import (draft_config_from_gguf, draft_config_from_hf, load_draft,
-                         load_draft_for_target)
-from .model import DFlashDraft, DraftCache, DraftConfig, default_target_layer_ids
-from .speculative import (GenerationResult, Sampling, Step, generate_autoregressive,
-                          generate_speculative)
-from .target import Target, TargetOutput
+Names are imported on first use, so `dflash-llama --help` does not pay for importing torch.
+"""
 
-__all__ = [
-    "DFlashDraft", "DraftCache", "DraftConfig", "GenerationResult", "Sampling", "Step", "Target",
-    "TargetOutput", "default_target_layer_ids", "draft_config_from_gguf", "draft_config_from_hf",
-    "generate_autoregressive", "generate_speculative", "load_draft", "load_draft_for_target",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "draft_config_from_gguf": ".checkpoint", "draft_config_from_hf": ".checkpoint", "load_draft": ".checkpoint",
+    "load_draft_for_target": ".checkpoint",
+    "DFlashDraft": ".model", "DraftCache": ".model", "DraftConfig": ".model", "default_target_layer_ids": ".model",
+    "GenerationResult": ".speculative", "Sampling": ".speculative", "Step": ".speculative",
+    "generate_autoregressive": ".speculative", "generate_speculative": ".speculative",
+    "Target": ".target", "TargetOutput": ".target",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
