@@ -258,9 +258,27 @@ class TrainLog:
     wall_s: float = 0.0
 
 
+def _load_init(draft: DFlashDraft, init: str | os.PathLike, t: TargetWeights) -> None:
+    from .checkpoint import load_draft
+
+    start = load_draft(init, t.embed_tokens, t.lm_head)
+    mine, theirs = draft.config, start.config
+    for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "block_size",
+                "target_layer_ids"):
+        if getattr(mine, key) != getattr(theirs, key):
+            raise ValueError(f"--init {init}: its {key} is {getattr(theirs, key)}, this training's is "
+                             f"{getattr(mine, key)}")
+    draft.load_state_dict(start.state_dict())
+
+
 def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, out_dir: str | os.PathLike,
-          cfg: TrainConfig, progress: bool = True, threads: int = 0) -> TrainLog:
-    """Train (or resume) a draft on datasets built by train_data.build_dataset (one or several)."""
+          cfg: TrainConfig, progress: bool = True, threads: int = 0,
+          init: str | os.PathLike | None = None) -> TrainLog:
+    """Train (or resume) a draft on datasets built by train_data.build_dataset (one or several).
+
+    init: an HF draft checkpoint to start from instead of random weights (fine-tuning); its shape
+    and target layers must match `cfg`.
+    """
     from tqdm import tqdm
 
     from .train_data import iter_sequences
@@ -277,6 +295,8 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
             raise ValueError(f"{data_dir} holds features of target layers {manifest['layer_ids']}, "
                              f"not {cfg.target_layer_ids}")
         sequences += list(iter_sequences(data_dir))
+    unique = {seq[0].tobytes(): seq for seq in sequences}  # a prompt in two datasets is one sequence
+    sequences = list(unique.values())
     t = target_weights_from_gguf(target_gguf)
     rng = random.Random(cfg.seed)
     order = list(range(len(sequences)))
@@ -286,6 +306,8 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
         raise ValueError(f"{data_dirs} hold {len(sequences)} sequences: not enough to train")
 
     draft = init_draft(draft_config(cfg, t), cfg.seed)
+    if init is not None:
+        _load_init(draft, init, t)
     draft.attach_target(t.embed_tokens, t.lm_head)
     draft.embed_tokens.requires_grad_(False)
     draft.lm_head.requires_grad_(False)
@@ -297,7 +319,7 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
 
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    total_steps = max(1, int(cfg.epochs * len(train_ids) / cfg.batch))
+    total_steps = int(cfg.epochs * len(train_ids) / cfg.batch)  # 0: just write the (init) weights
     warmup = max(1, int(cfg.warmup * total_steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, 0.5 * (
         1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total_steps - warmup))))) if s >= warmup else (s + 1) / warmup)
@@ -349,5 +371,7 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
         bar.set_postfix(loss=f"{loss_sum:.3f}", heldout_tau=f"{last_tau:.3f}")
         bar.update(1)
     bar.close()
+    if total_steps == 0:
+        save_checkpoint(draft, out)
     log.wall_s = time.time() - t0
     return log

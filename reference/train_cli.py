@@ -25,6 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip this many prompts of the (seeded, shuffled) list: datasets built in parallel")
     p.add_argument("--packages", default="", help="installed packages to take prompts from, besides the "
                    "standard library (comma-separated)")
+    p.add_argument("--no-stdlib", action="store_true", help="take no prompts from the standard library")
+    p.add_argument("--with-examples", action="store_true",
+                   help="only functions whose docstring shows doctest examples (>>>), as HumanEval's do")
+    p.add_argument("--build-only", action="store_true", help="build the dataset (--data) and stop")
+    p.add_argument("--init", type=Path, help="start from this draft checkpoint (HF folder) instead of random "
+                   "weights: fine-tuning on more data")
     p.add_argument("--max-new-tokens", type=int, default=192, help="target response length per prompt")
     p.add_argument("--layers", type=int, default=2, help="draft layers")
     p.add_argument("--block-size", type=int, default=8)
@@ -91,19 +97,22 @@ def main(args: argparse.Namespace) -> int:
         return _evaluate(args, target)
 
     data = args.data or args.out / "data"
-    prompts = code_prompts(seed=args.seed, packages=[p for p in args.packages.split(",") if p])
+    prompts = code_prompts(seed=args.seed, packages=[p for p in args.packages.split(",") if p],
+                           stdlib=not args.no_stdlib, with_examples=args.with_examples)
     prompts = prompts[args.prompt_offset:][:args.prompts or None]
     spec = DatasetSpec(target=str(target), layer_ids=layer_ids, max_new_tokens=args.max_new_tokens,
                        n_ctx=1024)
     rt = Runtime(target, None, n_threads=args.threads, n_ctx=spec.n_ctx, n_batch=512)
     build_dataset(rt, prompts, data, spec)
     del rt
+    if args.build_only:
+        return 0
 
     cfg = TrainConfig(target_layer_ids=layer_ids, layers=args.layers, block_size=args.block_size,
                       mask_token_id=args.mask_token_id, ffn=args.ffn, epochs=args.epochs, lr=args.lr,
                       batch=args.batch, anchors=args.anchors, vocab_subset=args.vocab_subset,
                       eval_every=args.eval_every, seed=args.seed)
-    log = train([data, *args.extra_data], target, args.out, cfg, threads=args.threads)
+    log = train([data, *args.extra_data], target, args.out, cfg, threads=args.threads, init=args.init)
     summary = {"steps": log.steps[-1] if log.steps else 0, "final_loss": log.loss[-1] if log.loss else None,
                "heldout_tau": log.heldout_tau[-1][1] if log.heldout_tau else None, "wall_s": round(log.wall_s, 1)}
     (args.out / "train_log.json").write_text(json.dumps({**summary, "loss": log.loss,

@@ -50,11 +50,11 @@ def _function_prompt(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None
     return f'{header}\n    """{lines[0]}\n{body}\n    """\n'
 
 
-def python_source_files(packages: Sequence[str] = ()) -> list[Path]:
+def python_source_files(packages: Sequence[str] = (), stdlib: bool = True) -> list[Path]:
     """Python files of the standard library (tests excluded) and of the named installed packages."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
     purelib = Path(sysconfig.get_paths()["purelib"])
-    roots = [stdlib] + [purelib / p for p in packages if p not in EXCLUDED_PACKAGES]
+    roots = [Path(sysconfig.get_paths()["stdlib"])] if stdlib else []
+    roots += [purelib / p for p in packages if p not in EXCLUDED_PACKAGES]
     files = []
     for root in roots:
         for path in sorted(root.rglob("*.py")):
@@ -65,11 +65,15 @@ def python_source_files(packages: Sequence[str] = ()) -> list[Path]:
     return files
 
 
-def code_prompts(limit: int | None = None, seed: int = 0, packages: Sequence[str] = ()) -> list[str]:
-    """Documented public functions turned into completion prompts, deduplicated, shuffled."""
+def code_prompts(limit: int | None = None, seed: int = 0, packages: Sequence[str] = (), stdlib: bool = True,
+                 with_examples: bool = False) -> list[str]:
+    """Documented public functions turned into completion prompts, deduplicated, shuffled.
+
+    with_examples: only functions whose docstring shows doctest examples (`>>>`), as HumanEval's do.
+    """
     seen: set[str] = set()
     prompts: list[str] = []
-    for path in python_source_files(packages):
+    for path in python_source_files(packages, stdlib):
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
@@ -77,6 +81,8 @@ def code_prompts(limit: int | None = None, seed: int = 0, packages: Sequence[str
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 prompt = _function_prompt(node)
+                if prompt and with_examples and ">>>" not in prompt:
+                    continue
                 if prompt and prompt not in seen:
                     seen.add(prompt)
                     prompts.append(prompt)

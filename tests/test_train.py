@@ -31,6 +31,12 @@ def test_prompts_are_humaneval_shaped_and_exclude_humaneval():
     assert code_prompts(limit=300, seed=3) == prompts  # deterministic
 
 
+def test_prompts_with_examples_show_doctests():
+    prompts = code_prompts(limit=40, seed=0, with_examples=True)
+    assert len(prompts) == 40 and all(">>> " in p for p in prompts)
+    assert not code_prompts(stdlib=False)  # no packages, no standard library: nothing
+
+
 @pytest.fixture(scope="module")
 def dataset(tiny_target_gguf, tmp_path_factory):
     rt = dflash_llama.Runtime(tiny_target_gguf, n_threads=2, n_ctx=256)
@@ -106,3 +112,20 @@ def test_training_learns_resumes_and_writes_a_loadable_checkpoint(dataset, tiny_
     spec = dflash_llama.Runtime(tiny_target_gguf, gguf, n_threads=2, n_ctx=256)
     g = spec.generate("def add(a, b):", 24)
     assert g.tokens == spec.autoregressive("def add(a, b):", 24).tokens
+
+
+def test_training_can_start_from_a_checkpoint(dataset, tiny_target_gguf, tmp_path):
+    out_data, _, _ = dataset
+    cfg = TrainConfig(target_layer_ids=LAYERS, layers=1, block_size=4, heads=4, kv_heads=2, head_dim=16, ffn=64,
+                      epochs=2.0, batch=2, anchors=8, heldout=2, eval_every=100, lr=5e-3, vocab_subset=512, seed=0)
+    first = tmp_path / "first"
+    train(out_data, tiny_target_gguf, first, cfg, progress=False, threads=2)
+    # zero steps from --init: the saved weights are exactly the init checkpoint's
+    cfg0 = TrainConfig(**{**cfg.__dict__, "epochs": 0.0, "seed": 7})
+    again = tmp_path / "again"
+    train(out_data, tiny_target_gguf, again, cfg0, progress=False, threads=2, init=first)
+    a, b = load_draft(first).state_dict(), load_draft(again).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match=r"its block_size is 4, this training's is 8"):
+        train(out_data, tiny_target_gguf, tmp_path / "bad", TrainConfig(**{**cfg.__dict__, "block_size": 8}),
+              progress=False, threads=2, init=first)
