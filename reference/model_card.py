@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 
-def write_model_card(ckpt: Path, data_dirs: list[Path], command: str) -> Path:
+def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
     cfg = json.loads((ckpt / "config.json").read_text())
     log = json.loads((ckpt / "train_log.json").read_text()) if (ckpt / "train_log.json").exists() else {}
     ev = json.loads((ckpt / "eval.json").read_text()) if (ckpt / "eval.json").exists() else None
@@ -37,25 +37,37 @@ def write_model_card(ckpt: Path, data_dirs: list[Path], command: str) -> Path:
         "",
         "## Data",
         "",
-        f"- {n_prompts} code-completion prompts (a signature and a docstring, HumanEval-shaped) cut from the "
-        "Python standard library's documented public functions (`reference/train_data.py`); HumanEval "
-        "itself is held out for evaluation and never read",
-        f"- the target's own greedy responses (up to 192 tokens each, through our C++ runtime): "
-        f"{n_resp:,} response tokens, {n_seq_tokens:,} tokens with prompts",
-        "- target features at the draft's target layers captured once by the runtime, stored as f16",
+        "Code-completion prompts (a signature and a docstring, HumanEval-shaped) cut from documented "
+        "public functions of the Python sources a fresh machine has (`reference/train_data.py`); "
+        "HumanEval itself is held out for evaluation and never read. The target's own greedy "
+        "responses (up to 192 tokens each, through our C++ runtime), its features at the draft's target "
+        "layers captured once and stored as f16.",
         "",
-        "## Training",
-        "",
-        f"- command: `{command}`",
+        "| dataset | prompts (`dflash_llama.reference.train_data`) | sequences | response tokens |",
+        "|---|---|---:|---:|",
     ]
-    if log:
-        lines += [f"- {log.get('steps')} optimizer steps, {log.get('wall_s', 0) / 60:.0f} min wall time on 2 CPU "
-                  f"cores (bf16 autocast), final loss {log.get('final_loss', float('nan')):.3f}",
-                  f"- held-out teacher-forced tau (greedy, block {cfg['block_size']}, "
-                  f"full vocabulary): {log.get('heldout_tau', float('nan')):.3f}"]
-    lines += ["- recipe: random anchors in the responses, per-block attention, weights exp(-(k-1)/4), "
-              "AdamW lr 6e-4 with 4% warmup and cosine decay, grad clip 1, loss over the 8192 most "
-              "frequent response tokens plus each batch's targets"]
+    for d, m in zip(data_dirs, manifests):
+        lines.append(f"| {Path(d).name} | `{m.get('source', '?')}` | {m['prompts_done']:,} | "
+                     f"{m['n_response_tokens']:,} |")
+    lines += [f"| all | | {n_prompts:,} | {n_resp:,} ({n_seq_tokens:,} with prompts) |", "", "## Training", ""]
+    stages = []
+    stage = log
+    while stage:
+        stages.insert(0, stage)
+        stage = stage.get("init")
+    for i, st in enumerate(stages):
+        c = st.get("config", {})
+        what = "from random weights" if i == 0 else "then, starting from that checkpoint (`--init`)"
+        lines += [f"{i + 1}. {what}: `{st.get('command', '?')}`",
+                  f"   - {st.get('steps')} optimizer steps of {c.get('batch', '?')} sequences x {c.get('anchors', '?')} "
+                  f"anchor blocks, {st.get('wall_s', 0) / 60:.0f} min wall time on 2 CPU cores (bf16 autocast); "
+                  f"AdamW lr {c.get('lr', '?')} with {100 * c.get('warmup', 0):.0f}% warmup and cosine decay, "
+                  f"loss over the {c.get('vocab_subset', '?')} most frequent response tokens plus each batch's "
+                  f"targets; final loss {st.get('final_loss') or float('nan'):.3f}, held-out teacher-forced tau "
+                  f"(greedy, full vocabulary) {st.get('heldout_tau') or float('nan'):.3f}" + ([f"   - {st['note']}"] if st.get("note") else [])
+    if stages:
+        lines += ["", "Recipe: random anchors in the responses, per-block attention masks, position weights "
+                  "exp(-(k-1)/gamma), the target's embeddings and head frozen (`reference/train.py`)."]
     if ev:
         lines += ["", "## Measured", "", f"Greedy, block {ev['block_size']}, {ev['n_predict']} new tokens per "
                   "HumanEval prompt (`dflash-llama train --eval-only`):", "",

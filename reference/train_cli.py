@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 
@@ -100,8 +101,12 @@ def main(args: argparse.Namespace) -> int:
     prompts = code_prompts(seed=args.seed, packages=[p for p in args.packages.split(",") if p],
                            stdlib=not args.no_stdlib, with_examples=args.with_examples)
     prompts = prompts[args.prompt_offset:][:args.prompts or None]
+    packages = [p for p in args.packages.split(",") if p]
+    source = (f"code_prompts(seed={args.seed}, packages={packages}, stdlib={not args.no_stdlib}, "
+              f"with_examples={args.with_examples})[{args.prompt_offset}:"
+              f"{args.prompt_offset + args.prompts if args.prompts else ''}]")
     spec = DatasetSpec(target=str(target), layer_ids=layer_ids, max_new_tokens=args.max_new_tokens,
-                       n_ctx=1024)
+                       n_ctx=1024, source=source)
     rt = Runtime(target, None, n_threads=args.threads, n_ctx=spec.n_ctx, n_batch=512)
     build_dataset(rt, prompts, data, spec)
     del rt
@@ -115,8 +120,12 @@ def main(args: argparse.Namespace) -> int:
     log = train([data, *args.extra_data], target, args.out, cfg, threads=args.threads, init=args.init)
     summary = {"steps": log.steps[-1] if log.steps else 0, "final_loss": log.loss[-1] if log.loss else None,
                "heldout_tau": log.heldout_tau[-1][1] if log.heldout_tau else None, "wall_s": round(log.wall_s, 1)}
-    (args.out / "train_log.json").write_text(json.dumps({**summary, "loss": log.loss,
-                                                         "heldout_tau_curve": log.heldout_tau}, indent=1))
+    init_log = args.init / "train_log.json" if args.init else None
+    record = {**summary, "command": "dflash-llama train " + " ".join(sys.argv[2:]), "config": asdict(cfg),
+              "data": [str(d) for d in [data, *args.extra_data]],
+              "init": json.loads(init_log.read_text()) if init_log and init_log.exists() else None,
+              "loss": log.loss, "heldout_tau_curve": log.heldout_tau}
+    (args.out / "train_log.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(summary))
     return _evaluate(args, target) if args.evaluate else 0
 
@@ -132,7 +141,6 @@ def _evaluate(args: argparse.Namespace, target: Path) -> int:
     print(ev.markdown())
     from .model_card import write_model_card
 
-    card = write_model_card(args.out, [args.data or args.out / "data", *args.extra_data],
-                            "dflash-llama train " + " ".join(sys.argv[2:]))
+    card = write_model_card(args.out, [args.data or args.out / "data", *args.extra_data])
     print(f"model card: {card}")
     return 0 if all(s.exact is not False for s in ev.scores) else 3

@@ -97,6 +97,7 @@ class DatasetSpec:
     max_new_tokens: int = 192
     shard_size: int = 64  # sequences per shard
     n_ctx: int = 1024
+    source: str = ""  # where the prompts came from, for the model card
 
 
 def build_dataset(runtime, prompts: Sequence[str], out_dir: str | os.PathLike, spec: DatasetSpec,
@@ -116,6 +117,8 @@ def build_dataset(runtime, prompts: Sequence[str], out_dir: str | os.PathLike, s
             raise ValueError(f"{out} holds a dataset with other settings ({old['layer_ids']}, "
                              f"{old['max_new_tokens']} tokens): use another folder")
         manifest = old
+    if spec.source:
+        manifest.setdefault("source", spec.source)
 
     todo = list(prompts[manifest["prompts_done"]:])
     bar = tqdm(total=len(prompts), initial=manifest["prompts_done"], disable=not progress,
