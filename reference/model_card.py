@@ -64,7 +64,7 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
                   f"AdamW lr {c.get('lr', '?')} with {100 * c.get('warmup', 0):.0f}% warmup and cosine decay, "
                   f"loss over the {c.get('vocab_subset', '?')} most frequent response tokens plus each batch's "
                   f"targets; final loss {st.get('final_loss') or float('nan'):.3f}, held-out teacher-forced tau "
-                  f"(greedy, full vocabulary) {st.get('heldout_tau') or float('nan'):.3f}" + ([f"   - {st['note']}"] if st.get("note") else [])
+                  f"(greedy, full vocabulary) {st.get('heldout_tau') or float('nan'):.3f}"] + ([f"   - {st['note']}"] if st.get("note") else [])
     if stages:
         lines += ["", "Recipe: random anchors in the responses, per-block attention masks, position weights "
                   "exp(-(k-1)/gamma), the target's embeddings and head frozen (`reference/train.py`)."]
