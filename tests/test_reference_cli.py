@@ -82,6 +82,27 @@ def test_runtime_engine_same_schema_and_tokens(capsys, tiny_draft_hf, tiny_targe
     assert [s["drafted"] for s in runtime["steps"]] == [s["drafted"] for s in reference["steps"]]
 
 
+def test_runtime_engine_draft_max_auto_measures_and_stays_exact(capsys, tiny_draft_hf, tiny_target_gguf):
+    common = ["--engine", "runtime", "--target", tiny_target_gguf, "--draft", tiny_draft_hf,
+              "-p", "def fibonacci(n):", "-n", 16, "--ignore-eos", "--json"]
+    rc, out, err = run(capsys, *common, "--draft-max", "auto")
+    assert rc == 0, err
+    n = int(re.search(r"dflash-llama generate: --draft-max auto: (\d+) \(expected", err).group(1))
+    assert 1 <= n <= 7  # the tiny draft's block is 8
+    auto = json.loads(out)
+    assert all(len(s["drafted"]) <= n for s in auto["steps"])
+    rc, out, _ = run(capsys, "--engine", "runtime", "--target", tiny_target_gguf, "--no-draft",
+                     "-p", "def fibonacci(n):", "-n", 16, "--ignore-eos", "--json")
+    assert auto["tokens"] == json.loads(out)["tokens"]
+
+
+def test_draft_max_must_be_auto_or_a_count(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--target", "T", "--draft", "D", "-p", "x", "--draft-max", "most"])
+    assert e.value.code == 2
+    assert "argument --draft-max: --draft-max must be 'auto' or an integer, got 'most'" in capsys.readouterr().err
+
+
 def test_runtime_engine_needs_a_gguf_target(capsys, tiny_draft_hf, tiny_target_hf):
     rc, out, err = run(capsys, "--engine", "runtime", "--target", tiny_target_hf, "--draft",
                        tiny_draft_hf, "-p", "hello", "-n", 4, "--json")

@@ -19,6 +19,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from .bench.cost_model import parse_draft_max
+
 ENGINES = ("reference", "runtime")
 
 
@@ -39,7 +41,7 @@ class GenerateRequest:
     top_k: int = 0
     seed: int = 0
     ignore_eos: bool = False
-    draft_max: int | None = None  # runtime: verify at most this many drafted tokens
+    draft_max: int | str | None = None  # runtime: verify at most this many drafted tokens, or "auto"
     threads: int = 0  # runtime: CPU threads, 0 = all
     n_ctx: int = 4096  # runtime: context size
     kv_f32: bool = False  # runtime: f32 KV cache, no flash attention (for comparisons with the reference)
@@ -55,7 +57,7 @@ class GenerateRequest:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"--top-k must be >= 0, got {self.top_k}")
-        if self.draft_max is not None and self.draft_max < 1:
+        if self.draft_max not in (None, "auto") and self.draft_max < 1:
             raise ValueError(f"--draft-max must be >= 1, got {self.draft_max}")
 
 
@@ -75,7 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation")
-    p.add_argument("--draft-max", type=int, help="runtime: verify at most N drafted tokens per step")
+    p.add_argument("--draft-max", type=parse_draft_max,
+                   help="runtime: verify at most N drafted tokens per step; auto: the fastest N measured on "
+                        "this machine and prompt")
     p.add_argument("-t", "--threads", type=int, default=0, help="runtime: CPU threads (default: all)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="runtime: context size (default 4096)")
     p.add_argument("--kv-f32", action="store_true",
@@ -140,8 +144,11 @@ def _run_runtime(req: GenerateRequest) -> dict:
         if draft is None:
             result = rt.autoregressive(prompt_ids, req.max_tokens, **kw)
         else:
-            result = rt.generate(prompt_ids, req.max_tokens, block_size=req.block_size,
-                                 draft_max=req.draft_max, **kw)
+            from .bench.cost_model import resolve_draft_max
+
+            draft_max = resolve_draft_max(rt, req.draft_max, list(prompt_ids), req.block_size,
+                                          "dflash-llama generate")
+            result = rt.generate(prompt_ids, req.max_tokens, block_size=req.block_size, draft_max=draft_max, **kw)
     out = result.to_json()
     if draft is None:  # the shared schema: one step per target decode after the first token
         out["steps"] = [{"drafted": [], "accepted": 0, "produced": 1}] * (len(result.tokens) - 1)

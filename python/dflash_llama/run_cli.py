@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from .bench.cost_model import parse_draft_max, resolve_draft_max
+
 DEFAULT_DRAFT = Path(__file__).resolve().parent / "data" / "smollm2-135m-dflash"
 DEFAULT_PROMPT = '''def running_median(values: list[float]) -> list[float]:
     """Return the median of the first i + 1 values for every i.
@@ -57,7 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", type=Path, default=DEFAULT_DRAFT,
                    help="DFlash draft: HF directory or GGUF (default: the packaged SmolLM2 draft)")
     p.add_argument("--block-size", type=int, help="draft block size (default: the draft's)")
-    p.add_argument("--draft-max", type=int, help="verify at most N drafted tokens per step")
+    p.add_argument("--draft-max", type=parse_draft_max,
+                   help="verify at most N drafted tokens per step; auto: measure this machine's verify cost "
+                        "and the draft's acceptance on the prompt, and pick the fastest N")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all)")
     p.add_argument("--no-check", action="store_true", help="skip the autoregressive comparison")
 
@@ -76,8 +80,9 @@ def main(args: argparse.Namespace) -> int:
         return 1
     print(f"target: {target}\ndraft:  {args.draft}\n", file=sys.stderr)
 
+    draft_max = resolve_draft_max(rt, args.draft_max, rt.tokenize(args.prompt), args.block_size)
     print(args.prompt, end="", flush=True)
-    stream = rt.generate(args.prompt, args.n_predict, block_size=args.block_size, draft_max=args.draft_max,
+    stream = rt.generate(args.prompt, args.n_predict, block_size=args.block_size, draft_max=draft_max,
                          stream=True)
     for piece in stream:
         print(piece, end="", flush=True)
