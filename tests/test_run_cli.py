@@ -1,0 +1,58 @@
+"""`dflash-llama run`: the README's main job on the embedded default pair (SmolLM2 + our draft)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from dflash_llama import cli
+from dflash_llama.run_cli import DEFAULT_DRAFT
+
+PROMPT = 'def count_vowels(text: str) -> int:\n    """Return how many vowels text has.\n    >>> count_vowels("banana")\n    3\n    """\n'
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return tmp_path / "dflash-llama"
+
+
+def test_the_packaged_draft_is_small_and_made_for_smollm2():
+    files = {p.name: p.stat().st_size for p in DEFAULT_DRAFT.iterdir()}
+    assert {"config.json", "model.safetensors", "README.md"} <= set(files)
+    assert "train_state.pt" not in files
+    assert sum(files.values()) <= 25 * 2**20
+    config = json.loads((DEFAULT_DRAFT / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["hidden_size"] == 576 and config["num_target_layers"] == 30  # SmolLM2-135M
+
+
+def test_run_is_exact_and_the_default_draft_is_trained(capsys, cache):
+    rc = cli.main(["run", "-p", PROMPT, "-n", "64", "-t", "2"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.startswith(PROMPT)
+    assert "exact: yes (identical to the target's greedy output)" in err
+    tau = float(re.search(r"tau (\d+\.\d+)", err).group(1))
+    assert tau > 1.3, err  # an untrained draft is accepted almost never: tau ~ 1.0
+    assert len(list(cache.glob("smollm2-135m-dflash-*-f16.gguf"))) == 1  # converted once, cached
+
+
+def test_run_picks_draft_max_by_measuring(capsys, cache):
+    rc = cli.main(["run", "-p", PROMPT, "-n", "32", "-t", "2", "--draft-max", "auto"])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    n = int(re.search(r"--draft-max auto: (\d+) \(expected", err).group(1))
+    assert 1 <= n <= 7  # the draft's block is 8
+    assert "exact: yes" in err
+    steps = int(re.search(r"(\d+) target verifies", err).group(1))
+    assert steps >= 31 / (n + 1)  # never more than n drafted tokens accepted per verify
+
+
+def test_run_with_a_missing_draft_says_so(capsys, cache, tmp_path):
+    rc = cli.main(["run", "--draft", str(tmp_path / "nowhere"), "-n", "4"])
+    _, err = capsys.readouterr()
+    assert rc == 1
+    assert f"dflash-llama run: error: no DFlash draft at {tmp_path / 'nowhere'}" in err
