@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-prompts", type=int, default=164, help="HumanEval prompts for the evaluation")
     p.add_argument("--eval-published-prompts", type=int, default=40,
                    help="of those, how many the (slow) dflash package decodes")
+    p.add_argument("--eval-engines", default="runtime,native,published",
+                   help="engines to evaluate, comma-separated (default: runtime,native,published)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -136,8 +138,14 @@ def _evaluate(args: argparse.Namespace, target: Path) -> int:
     if not (args.out / "config.json").exists():
         print(f"dflash-llama train: error: no checkpoint in {args.out} to evaluate", file=sys.stderr)
         return 1
+    engines = tuple(e for e in args.eval_engines.split(",") if e)
+    unknown = set(engines) - {"runtime", "native", "published"}
+    if unknown or not engines:
+        print(f"dflash-llama train: error: --eval-engines takes runtime, native, published; got "
+              f"{args.eval_engines!r}", file=sys.stderr)
+        return 2
     ev = evaluate(args.out, target, args.out, n_prompts=args.eval_prompts, n_published=args.eval_published_prompts,
-                  block_size=args.block_size, threads=args.threads)
+                  block_size=args.block_size, threads=args.threads, engines=engines)
     print(ev.markdown())
     from .model_card import write_model_card
 

@@ -201,5 +201,20 @@ def evaluate(checkpoint: Path, target: Path, out: Path, *, n_prompts: int = 164,
                                            block_size, threads, progress))
             ev.scores[-1].engine += f" (first {n_published})"
         ev.scores.append(score_published(target, checkpoint, sub, n_predict, block_size, progress))
+    _keep_other_engines(ev, out / "eval.json")
     (out / "eval.json").write_text(json.dumps(ev.to_json(), indent=1) + "\n")
     return ev
+
+
+def _keep_other_engines(ev: DraftEvaluation, path: Path) -> None:
+    """An evaluation of some engines keeps the earlier scores of the others (same settings)."""
+    if not path.exists():
+        return
+    old = json.loads(path.read_text())
+    if (old.get("block_size"), old.get("n_predict")) != (ev.block_size, ev.n_predict):
+        return
+    names = {s.engine.split(" (")[0] for s in ev.scores}
+    fields = set(EngineScore.__dataclass_fields__)
+    kept = [EngineScore(**{k: v for k, v in s.items() if k in fields}) for s in old["scores"]
+            if s["engine"].split(" (")[0] not in names]
+    ev.scores[:0] = kept
