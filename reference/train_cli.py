@@ -96,6 +96,10 @@ def main(args: argparse.Namespace) -> int:
         print("dflash-llama train: error: --block-size must be at least 2", file=sys.stderr)
         return 2
 
+    if args.init is not None and not (args.init / "config.json").exists():
+        print(f"dflash-llama train: error: --init {args.init}: no draft checkpoint there (config.json)",
+              file=sys.stderr)
+        return 1
     if args.eval_only:
         return _evaluate(args, target)
 

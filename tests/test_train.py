@@ -129,3 +129,17 @@ def test_training_can_start_from_a_checkpoint(dataset, tiny_target_gguf, tmp_pat
     with pytest.raises(ValueError, match=r"its block_size is 4, this training's is 8"):
         train(out_data, tiny_target_gguf, tmp_path / "bad", TrainConfig(**{**cfg.__dict__, "block_size": 8}),
               progress=False, threads=2, init=first)
+
+
+@pytest.mark.parametrize("extra, rc, message", [
+    (["--init", "/nonexistent-draft"], 1, "--init /nonexistent-draft: no draft checkpoint there (config.json)"),
+    (["--eval-only", "--eval-engines", "bogus"], 1, "no checkpoint in"),
+    (["--target-layer-ids", "1,99"], 2, "target layer 99 is outside the target's 4 layers"),
+])
+def test_cli_refuses_bad_arguments_before_any_work(capsys, tiny_target_gguf, tmp_path, extra, rc, message):
+    from dflash_llama import cli
+
+    got = cli.main(["train", "--target", str(tiny_target_gguf), "--out", str(tmp_path / "out"), *extra])
+    err = capsys.readouterr().err
+    assert got == rc and message in err, err
+    assert not (tmp_path / "out").exists()  # nothing built, nothing lost
