@@ -94,8 +94,11 @@ def test_load_test_reports_request_errors(tiny_target_gguf):
     assert wait_gone(pid, 1.0)
 
 
+# A child that takes Ctrl-C as a terminal program does: a shell starts background jobs with SIGINT
+# ignored, and Python keeps an inherited "ignore", so under `cmd &` the child would never see it.
 CHILD = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from dflash_llama.bench import server
     with server.LlamaServer(sys.argv[1], sys.argv[2], threads=1, n_ctx=128, n_max=3) as srv:
         print(srv.pid, flush=True)
