@@ -96,6 +96,13 @@ def main(args: argparse.Namespace) -> int:
         print("dflash-llama train: error: --block-size must be at least 2", file=sys.stderr)
         return 2
 
+    engines = tuple(e for e in args.eval_engines.split(",") if e)
+    unknown = set(engines) - {"runtime", "native", "published"}
+    if unknown or not engines:
+        print(f"dflash-llama train: error: --eval-engines takes runtime, native, published; got "
+              f"{args.eval_engines!r}", file=sys.stderr)
+        return 2
+    args.eval_engines = engines
     if args.init is not None and not (args.init / "config.json").exists():
         print(f"dflash-llama train: error: --init {args.init}: no draft checkpoint there (config.json)",
               file=sys.stderr)
@@ -104,10 +111,10 @@ def main(args: argparse.Namespace) -> int:
         return _evaluate(args, target)
 
     data = args.data or args.out / "data"
-    prompts = code_prompts(seed=args.seed, packages=[p for p in args.packages.split(",") if p],
-                           stdlib=not args.no_stdlib, with_examples=args.with_examples)
-    prompts = prompts[args.prompt_offset:][:args.prompts or None]
     packages = [p for p in args.packages.split(",") if p]
+    prompts = code_prompts(seed=args.seed, packages=packages, stdlib=not args.no_stdlib,
+                           with_examples=args.with_examples)
+    prompts = prompts[args.prompt_offset:][:args.prompts or None]
     source = (f"code_prompts(seed={args.seed}, packages={packages}, stdlib={not args.no_stdlib}, "
               f"with_examples={args.with_examples})[{args.prompt_offset}:"
               f"{args.prompt_offset + args.prompts if args.prompts else ''}]")
@@ -142,14 +149,9 @@ def _evaluate(args: argparse.Namespace, target: Path) -> int:
     if not (args.out / "config.json").exists():
         print(f"dflash-llama train: error: no checkpoint in {args.out} to evaluate", file=sys.stderr)
         return 1
-    engines = tuple(e for e in args.eval_engines.split(",") if e)
-    unknown = set(engines) - {"runtime", "native", "published"}
-    if unknown or not engines:
-        print(f"dflash-llama train: error: --eval-engines takes runtime, native, published; got "
-              f"{args.eval_engines!r}", file=sys.stderr)
-        return 2
     ev = evaluate(args.out, target, args.out, n_prompts=args.eval_prompts, n_published=args.eval_published_prompts,
-                  block_size=args.block_size, threads=args.threads, engines=engines)
+                  block_size=args.block_size, threads=args.threads,
+                  engines=args.eval_engines)
     print(ev.markdown())
     from .model_card import write_model_card
 

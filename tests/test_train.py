@@ -133,7 +133,8 @@ def test_training_can_start_from_a_checkpoint(dataset, tiny_target_gguf, tmp_pat
 
 @pytest.mark.parametrize("extra, rc, message", [
     (["--init", "/nonexistent-draft"], 1, "--init /nonexistent-draft: no draft checkpoint there (config.json)"),
-    (["--eval-only", "--eval-engines", "bogus"], 1, "no checkpoint in"),
+    (["--eval-only", "--eval-engines", "bogus"], 2, "--eval-engines takes runtime, native, published; got 'bogus'"),
+    (["--eval-only"], 1, "no checkpoint in"),
     (["--target-layer-ids", "1,99"], 2, "target layer 99 is outside the target's 4 layers"),
 ])
 def test_cli_refuses_bad_arguments_before_any_work(capsys, tiny_target_gguf, tmp_path, extra, rc, message):
