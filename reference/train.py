@@ -259,16 +259,31 @@ class TrainLog:
 
 
 def _load_init(draft: DFlashDraft, init: str | os.PathLike, t: TargetWeights) -> None:
+    """Copy a checkpoint's weights into `draft`.
+
+    A checkpoint with fewer layers grows: each extra layer starts as a copy of the checkpoint's last
+    layer with its output projections (o_proj, down_proj) zeroed, so it adds nothing to the residual
+    stream and the grown draft computes exactly what the checkpoint computed until training moves it.
+    """
     from .checkpoint import load_draft
 
     start = load_draft(init, t.embed_tokens, t.lm_head)
     mine, theirs = draft.config, start.config
-    for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "block_size",
+    for key in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "block_size",
                 "target_layer_ids"):
         if getattr(mine, key) != getattr(theirs, key):
             raise ValueError(f"--init {init}: its {key} is {getattr(theirs, key)}, this training's is "
                              f"{getattr(mine, key)}")
-    draft.load_state_dict(start.state_dict())
+    if theirs.num_layers > mine.num_layers:
+        raise ValueError(f"--init {init}: it has {theirs.num_layers} layers, this training's draft "
+                         f"{mine.num_layers} (a draft can grow, not shrink)")
+    last = start.layers[-1].state_dict()
+    state = start.state_dict()
+    for il in range(theirs.num_layers, mine.num_layers):
+        for name, value in last.items():
+            zero = name in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+            state[f"layers.{il}.{name}"] = torch.zeros_like(value) if zero else value.clone()
+    draft.load_state_dict(state)
 
 
 def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, out_dir: str | os.PathLike,
@@ -277,7 +292,7 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
     """Train (or resume) a draft on datasets built by train_data.build_dataset (one or several).
 
     init: an HF draft checkpoint to start from instead of random weights (fine-tuning); its shape
-    and target layers must match `cfg`.
+    and target layers must match `cfg`, except that it may have fewer layers (see _load_init).
     """
     from tqdm import tqdm
 

@@ -4,6 +4,7 @@ resumes, and writes a checkpoint every loader reads."""
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ import torch
 import dflash_llama
 from dflash_llama.converter import convert
 from dflash_llama.reference.checkpoint import load_draft
-from dflash_llama.reference.train import TrainConfig, make_batch, position_weights, train
+from dflash_llama.reference.train import (TrainConfig, block_hidden, make_batch, position_weights, train,
+                                          target_weights_from_gguf)
 from dflash_llama.reference.train_data import DatasetSpec, build_dataset, code_prompts, iter_sequences
 
 LAYERS = [1, 3]
@@ -129,6 +131,31 @@ def test_training_can_start_from_a_checkpoint(dataset, tiny_target_gguf, tmp_pat
     with pytest.raises(ValueError, match=r"its block_size is 4, this training's is 8"):
         train(out_data, tiny_target_gguf, tmp_path / "bad", TrainConfig(**{**cfg.__dict__, "block_size": 8}),
               progress=False, threads=2, init=first)
+
+
+def test_a_checkpoint_grows_into_a_deeper_draft_that_computes_the_same(dataset, tiny_target_gguf, tmp_path):
+    out_data, _, _ = dataset
+    cfg = TrainConfig(target_layer_ids=LAYERS, layers=1, block_size=4, heads=4, kv_heads=2, head_dim=16, ffn=64,
+                      epochs=1.0, batch=2, anchors=8, heldout=2, eval_every=100, lr=5e-3, vocab_subset=512, seed=0)
+    first = tmp_path / "first"
+    train(out_data, tiny_target_gguf, first, cfg, progress=False, threads=2)
+    grown_dir = tmp_path / "grown"
+    train(out_data, tiny_target_gguf, grown_dir, TrainConfig(**{**cfg.__dict__, "layers": 3, "epochs": 0.0}),
+          progress=False, threads=2, init=first)
+    t = target_weights_from_gguf(tiny_target_gguf)
+    small, grown = (load_draft(d, t.embed_tokens, t.lm_head) for d in (first, grown_dir))
+    assert grown.config.num_layers == 3
+    new = grown.layers[2].state_dict()
+    assert torch.count_nonzero(new["self_attn.o_proj.weight"]) == 0
+    assert torch.count_nonzero(new["mlp.down_proj.weight"]) == 0
+    assert torch.equal(new["self_attn.q_proj.weight"], small.layers[0].state_dict()["self_attn.q_proj.weight"])
+    tokens, prompt_len, feats = next(iter(iter_sequences(out_data)))
+    b = make_batch(tokens, prompt_len, feats, 4, 4, random.Random(0))
+    with torch.no_grad():
+        assert torch.equal(block_hidden(small, b.feats, b.tokens, b.anchors),
+                           block_hidden(grown, b.feats, b.tokens, b.anchors))
+    with pytest.raises(ValueError, match=r"it has 3 layers, this training's draft 1 \(a draft can grow, not shrink\)"):
+        train(out_data, tiny_target_gguf, tmp_path / "shrunk", cfg, progress=False, threads=2, init=grown_dir)
 
 
 @pytest.mark.parametrize("extra, rc, message", [
