@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_llama.paths import portable
+
 from .cost_model import parse_draft_max
 
 # Chosen so that the full default run (all methods, the cost model, the server at three
@@ -195,16 +197,6 @@ def run(args: argparse.Namespace) -> tuple[dict, Path]:
     (out / "bench.json").write_text(portable(json.dumps(res, indent=1)) + "\n")
     (out / "bench.md").write_text(portable(report.render(res, command, names)))
     return res, out
-
-
-def portable(text: str) -> str:
-    """A report's text naming no machine's folders: paths under site-packages and the working folder
-    made relative, the home folder written ~ (as parity's display_path does for one path)."""
-    import sysconfig
-
-    for root, short in ((sysconfig.get_paths()["purelib"], ""), (Path.cwd(), ""), (Path.home(), "~")):
-        text = text.replace(str(Path(root).resolve()) + "/", short + ("/" if short else ""))
-    return text
 
 
 def main(args: argparse.Namespace) -> int:

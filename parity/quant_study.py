@@ -81,7 +81,7 @@ def run_study(target: Path, draft_hf: Path, work: Path, prompts: list, n_predict
             del rt, nd, rt_e2e
     finally:
         progress.close()
-    from .stages import display_path
+    from dflash_llama.paths import display_path
 
     return {"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "target": display_path(target), "draft_hf": display_path(draft_hf), "prompts": [p.id for p in prompts],

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_llama.converter import gguf_layout as L
+from dflash_llama.paths import display_path
 
 from . import bounds as B
 from .graph import PAIRS, GraphComparison, drafted_tokens, first_reader, graph_order, layer_of, \
@@ -79,23 +80,6 @@ def _head_type(target_types: dict[str, str]) -> str:
 
 def _cut(tokens: list[int], n: int) -> list[int]:
     return tokens[-n:] if len(tokens) > n else tokens
-
-
-def display_path(path) -> str:
-    """A path as a report shows it: relative to the working folder, to the installed package's
-    site-packages, or to the home folder, so that committed reports name no machine's folders."""
-    import site
-    import sysconfig
-
-    p = Path(path).resolve()
-    roots = [(Path(d), "") for d in {sysconfig.get_paths()["purelib"], *site.getsitepackages()}] \
-        + [(Path.cwd(), ""), (Path.home(), "~/")]
-    for root, prefix in roots:
-        try:
-            return prefix + str(p.relative_to(root.resolve()))
-        except ValueError:
-            continue
-    return str(path)
 
 
 def _fmt(x: float) -> str:

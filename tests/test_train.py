@@ -154,6 +154,12 @@ def test_a_checkpoint_grows_into_a_deeper_draft_that_computes_the_same(dataset, 
     with torch.no_grad():
         assert torch.equal(block_hidden(small, b.feats, b.tokens, b.anchors),
                            block_hidden(grown, b.feats, b.tokens, b.anchors))
+    from dflash_llama.reference.model_card import write_model_card
+
+    card = write_model_card(grown_dir, [out_data]).read_text()
+    assert card.startswith("# tiny-target-f32 DFlash draft (dflash-llama)\n")
+    assert "3 layers, hidden" in card and "up to 24 tokens each" in card
+    assert f"| {out_data.name} | `?` | 8 |" in card
     with pytest.raises(ValueError, match=r"it has 3 layers, this training's draft 1 \(a draft can grow, not shrink\)"):
         train(out_data, tiny_target_gguf, tmp_path / "shrunk", cfg, progress=False, threads=2, init=grown_dir)
 

@@ -38,3 +38,32 @@ def llama_cpp_dir() -> Path:
     raise FileNotFoundError(
         "the pinned llama.cpp tree is missing: run python third_party/fetch_llama_cpp.py "
         "(./setup.sh does)")
+
+
+def _report_roots() -> list[tuple[Path, str]]:
+    """Folders a report writes relative: site-packages and the working folder (no prefix), home (~/)."""
+    import site
+    import sysconfig
+
+    sites = {sysconfig.get_paths()["purelib"], *site.getsitepackages()}
+    return [(Path(d).resolve(), "") for d in sorted(sites)] + [(Path.cwd().resolve(), ""),
+                                                               (Path.home().resolve(), "~/")]
+
+
+def display_path(path) -> str:
+    """A path as a report shows it: relative to the installed package's site-packages, to the working
+    folder, or to the home folder, so that committed reports name no machine's folders."""
+    p = Path(path).resolve()
+    for root, prefix in _report_roots():
+        try:
+            return prefix + str(p.relative_to(root))
+        except ValueError:
+            continue
+    return str(path)
+
+
+def portable(text: str) -> str:
+    """`display_path` for every path inside a text (a report, a command line)."""
+    for root, prefix in _report_roots():
+        text = text.replace(str(root) + "/", prefix)
+    return text
