@@ -199,7 +199,7 @@ void draft_runner::inject(const float * features, int32_t n, int32_t pos0, draft
 }
 
 void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_t start, std::vector<float> & logits,
-                                 draft_trace * trace) {
+                                 draft_trace * trace, int32_t n_logits) {
     const draft_hparams & hp = draft_.hparams;
     if (start != n_cached_) {
         throw std::invalid_argument("draft block at position " + std::to_string(start) + " but the cache holds " +
@@ -207,6 +207,13 @@ void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_
     }
     if (n_block < 2) {
         throw std::invalid_argument("draft block must hold at least 2 tokens, got " + std::to_string(n_block));
+    }
+    if (n_logits < 0) {
+        n_logits = n_block - 1;
+    }
+    if (n_logits < 1 || n_logits > n_block - 1) {
+        throw std::invalid_argument("draft logits for " + std::to_string(n_logits) + " positions of a block of " +
+                                    std::to_string(n_block) + " (1 to " + std::to_string(n_block - 1) + ")");
     }
     if (start + n_block > n_ctx_) {
         throw std::invalid_argument("draft block ends at position " + std::to_string(start + n_block) +
@@ -290,8 +297,9 @@ void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_
     if (g.tracing) {  // llama.cpp's result_output: raw head output of every block position, traced apart
         g.name(ggml_mul_mat(g.ctx, output_, y), "result_output");
     }
-    // block position 0 holds the known last token: only positions 1.. need logits
-    ggml_tensor * y_pred = ggml_view_2d(g.ctx, y, hp.n_embd, n_block - 1, y->nb[1], y->nb[1]);
+    // block position 0 holds the known last token: only positions 1..n_logits need logits (the head
+    // is the largest matmul of a small draft: skip the rows the loop will not verify)
+    ggml_tensor * y_pred = ggml_view_2d(g.ctx, y, hp.n_embd, n_logits, y->nb[1], y->nb[1]);
     ggml_tensor * out = ggml_mul_mat(g.ctx, output_, y_pred);
     if (hp.logit_scale != 1.0f) {
         out = ggml_scale(g.ctx, out, hp.logit_scale);
@@ -306,7 +314,7 @@ void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_
     }
 
     compute(g, trace);
-    logits.resize((size_t) (n_block - 1) * n_vocab_);
+    logits.resize((size_t) n_logits * n_vocab_);
     ggml_backend_tensor_get(out, logits.data(), 0, logits.size() * sizeof(float));
 }
 

@@ -4,7 +4,7 @@
 //                               V = Wv c, written into the cache at positions pos0..pos0+n-1
 //   forward_block(tokens, start): the block [last token, MASK, ...] at positions start.., its
 //                               queries attending to cache[0, start) and to the whole block,
-//                               final norm, logits for block positions 1..B-1 through the
+//                               final norm, logits for block positions 1..B-1 (or fewer) through the
 //                               target's output head
 //
 // Traced `result_output` is the raw head output of all block positions, as in llama.cpp's graph;
@@ -48,9 +48,10 @@ public:
     void inject(const float * features, int32_t n, int32_t pos0, draft_trace * trace = nullptr);
 
     // Runs the block (n_block tokens at positions start..start+n_block-1; start == n_cached()) and
-    // writes logits for block positions 1..n_block-1 into `logits` ([n_block-1, n_vocab] row-major).
+    // writes logits for block positions 1..n_logits into `logits` ([n_logits, n_vocab] row-major);
+    // n_logits -1: all, n_block - 1.
     void forward_block(const int32_t * tokens, int32_t n_block, int32_t start, std::vector<float> & logits,
-                       draft_trace * trace = nullptr);
+                       draft_trace * trace = nullptr, int32_t n_logits = -1);
 
     // Forgets cached context at positions >= n.
     void crop(int32_t n);

@@ -101,6 +101,9 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
         throw std::invalid_argument("the context (" + std::to_string(target.n_ctx()) + " tokens) is smaller than one block (" +
                                     std::to_string(block_size) + " tokens)");
     }
+    if (params.draft_max == 0 || params.draft_max < -1) {
+        throw std::invalid_argument("draft_max must be at least 1 (or -1: the block), got " + std::to_string(params.draft_max));
+    }
     const int32_t draft_max = params.draft_max < 0 ? block_size - 1 : std::min(params.draft_max, block_size - 1);
     const sampling_params & sp = params.sampling;
     const stop_rule is_stop{target, params};
@@ -138,7 +141,7 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
         if (verify_size > 1) {
             std::vector<int32_t> block(verify_size, hp.mask_token_id);
             block[0] = last;
-            draft.forward_block(block.data(), verify_size, start, draft_logits);
+            draft.forward_block(block.data(), verify_size, start, draft_logits, nullptr, n_draft);
             q.resize(n_draft);
             for (int32_t i = 0; i < n_draft; ++i) {
                 const float * row = draft_logits.data() + (size_t) i * n_vocab;
