@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only functions whose docstring shows doctest examples (>>>), as HumanEval's do")
     p.add_argument("--build-only", action="store_true", help="build the dataset (--data) and stop")
     p.add_argument("--init", type=Path, help="start from this draft checkpoint (HF folder) instead of random "
-                   "weights: fine-tuning on more data")
+                   "weights: fine-tuning on more data; one with fewer layers than --layers grows (the new "
+                   "layers start as identities)")
     p.add_argument("--max-new-tokens", type=int, default=192, help="target response length per prompt")
     p.add_argument("--layers", type=int, default=2, help="draft layers")
     p.add_argument("--block-size", type=int, default=8)
