@@ -119,6 +119,12 @@ def main(args: argparse.Namespace) -> int:
     source = (f"code_prompts(seed={args.seed}, packages={packages}, stdlib={not args.no_stdlib}, "
               f"with_examples={args.with_examples})[{args.prompt_offset}:"
               f"{args.prompt_offset + args.prompts if args.prompts else ''}]")
+    mismatch = _other_prompts(data, source)
+    if mismatch:
+        print(f"dflash-llama train: error: {data} holds the responses to {mismatch}, not to this command's "
+              f"{source}: give the options it was built with (--packages, --no-stdlib, --with-examples, "
+              f"--prompt-offset, --seed), or name it with --extra-data to train on it as it is", file=sys.stderr)
+        return 2
     spec = DatasetSpec(target=str(target), layer_ids=layer_ids, max_new_tokens=args.max_new_tokens,
                        n_ctx=1024, source=source)
     rt = Runtime(target, None, n_threads=args.threads, n_ctx=spec.n_ctx, n_batch=512)
@@ -142,6 +148,19 @@ def main(args: argparse.Namespace) -> int:
     (args.out / "train_log.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(summary))
     return _evaluate(args, target) if args.evaluate else 0
+
+
+def _other_prompts(data: Path, source: str) -> str | None:
+    """The prompt list an existing dataset was built from, when it is not `source`'s (the slice's end
+    may differ: a dataset grows by asking for more prompts of the same list)."""
+    manifest = data / "manifest.json"
+    if not manifest.exists():
+        return None
+    theirs = json.loads(manifest.read_text()).get("source")
+    if not theirs:  # built before datasets recorded their prompts
+        return None
+    start = lambda s: s[:s.rindex(":")]  # noqa: E731  "code_prompts(...)[offset"
+    return None if start(theirs) == start(source) else theirs
 
 
 def _evaluate(args: argparse.Namespace, target: Path) -> int:

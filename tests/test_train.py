@@ -177,3 +177,21 @@ def test_cli_refuses_bad_arguments_before_any_work(capsys, tiny_target_gguf, tmp
     err = capsys.readouterr().err
     assert got == rc and message in err, err
     assert not (tmp_path / "out").exists()  # nothing built, nothing lost
+
+
+def test_cli_will_not_extend_a_dataset_with_other_prompts(capsys, tiny_target_gguf, tmp_path):
+    from dflash_llama import cli
+
+    data = tmp_path / "data"
+    data.mkdir()
+    theirs = "code_prompts(seed=0, packages=['numpy'], stdlib=False, with_examples=True)[0:8]"
+    manifest = json.dumps({"target": str(tiny_target_gguf), "layer_ids": LAYERS, "max_new_tokens": 24,
+                           "prompts_done": 8, "shards": [], "n_tokens": 0, "n_response_tokens": 0, "source": theirs})
+    (data / "manifest.json").write_text(manifest)
+    got = cli.main(["train", "--target", str(tiny_target_gguf), "--out", str(tmp_path / "out"), "--data", str(data),
+                    "--target-layer-ids", "1,3"])
+    err = capsys.readouterr().err
+    assert got == 2, err
+    assert f"holds the responses to {theirs}, not to this command's code_prompts(seed=0, packages=[], " \
+           "stdlib=True, with_examples=False)[0:]" in err
+    assert (data / "manifest.json").read_text() == manifest  # untouched
