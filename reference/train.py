@@ -308,7 +308,8 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
         manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
         if list(manifest["layer_ids"]) != list(cfg.target_layer_ids):
             raise ValueError(f"{data_dir} holds features of target layers {manifest['layer_ids']}, "
-                             f"not {cfg.target_layer_ids}")
+                             f"not {cfg.target_layer_ids}: build it with the same --target-layer-ids "
+                             f"(the default depends on --layers)")
         sequences += list(iter_sequences(data_dir))
     unique = {seq[0].tobytes(): seq for seq in sequences}  # a prompt in two datasets is one sequence
     sequences = list(unique.values())

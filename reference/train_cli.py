@@ -127,6 +127,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     spec = DatasetSpec(target=str(target), layer_ids=layer_ids, max_new_tokens=args.max_new_tokens,
                        n_ctx=1024, source=source)
+    how = "--target-layer-ids" if args.target_layer_ids else f"the published rule for --layers {args.layers}"
+    print(f"dataset {data}: target features at layers {layer_ids} ({how})", file=sys.stderr)
     rt = Runtime(target, None, n_threads=args.threads, n_ctx=spec.n_ctx, n_batch=512)
     build_dataset(rt, prompts, data, spec)
     del rt

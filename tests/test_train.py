@@ -195,3 +195,12 @@ def test_cli_will_not_extend_a_dataset_with_other_prompts(capsys, tiny_target_gg
     assert f"holds the responses to {theirs}, not to this command's code_prompts(seed=0, packages=[], " \
            "stdlib=True, with_examples=False)[0:]" in err
     assert (data / "manifest.json").read_text() == manifest  # untouched
+
+
+def test_training_refuses_a_dataset_of_other_target_layers(dataset, tiny_target_gguf, tmp_path):
+    out_data, _, _ = dataset
+    cfg = TrainConfig(target_layer_ids=[1, 2], layers=1, block_size=4, heads=4, kv_heads=2, head_dim=16, ffn=64)
+    with pytest.raises(ValueError, match=r"holds features of target layers \[1, 3\], not \[1, 2\]: build it with "
+                                         r"the same --target-layer-ids \(the default depends on --layers\)"):
+        train(out_data, tiny_target_gguf, tmp_path / "out", cfg, progress=False, threads=1)
+    assert not (tmp_path / "out" / "config.json").exists()
