@@ -58,7 +58,8 @@ class DraftEvaluation:
         rows = ["| engine | prompts | tau | acceptance rate | exact | seconds | note |", "|---|---:|---:|---:|---|---:|---|"]
         for s in self.scores:
             exact = "" if s.exact is None else ("yes" if s.exact else "NO")
-            rows.append(f"| {s.engine} | {s.prompts} | {s.tau:.3f} | {s.acceptance_rate:.3f} | {exact} | "
+            tau = f"{s.tau:.3f}" if s.steps else "n/a"  # llama-speculative-simple reports no verify count
+            rows.append(f"| {s.engine} | {s.prompts} | {tau} | {s.acceptance_rate:.3f} | {exact} | "
                         f"{s.seconds:.0f} | {s.note} |")
         return "\n".join(rows)
 
@@ -207,14 +208,15 @@ def evaluate(checkpoint: Path, target: Path, out: Path, *, n_prompts: int = 164,
 
 
 def _keep_other_engines(ev: DraftEvaluation, path: Path) -> None:
-    """An evaluation of some engines keeps the earlier scores of the others (same settings)."""
+    """An evaluation of some engines keeps the earlier scores of the others (same settings): a score
+    is replaced only by a new one of the same engine on the same prompts (its full label)."""
     if not path.exists():
         return
     old = json.loads(path.read_text())
     if (old.get("block_size"), old.get("n_predict")) != (ev.block_size, ev.n_predict):
         return
-    names = {s.engine.split(" (")[0] for s in ev.scores}
+    names = {s.engine for s in ev.scores}
     fields = set(EngineScore.__dataclass_fields__)
     kept = [EngineScore(**{k: v for k, v in s.items() if k in fields}) for s in old["scores"]
-            if s["engine"].split(" (")[0] not in names]
+            if s["engine"] not in names]
     ev.scores[:0] = kept

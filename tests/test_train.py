@@ -204,3 +204,22 @@ def test_training_refuses_a_dataset_of_other_target_layers(dataset, tiny_target_
                                          r"the same --target-layer-ids \(the default depends on --layers\)"):
         train(out_data, tiny_target_gguf, tmp_path / "out", cfg, progress=False, threads=1)
     assert not (tmp_path / "out" / "config.json").exists()
+
+
+def test_an_evaluation_of_some_engines_keeps_the_other_scores(tmp_path):
+    from dflash_llama.reference.train_eval import DraftEvaluation, EngineScore, _keep_other_engines
+
+    def score(engine, prompts, accepted):
+        return EngineScore(engine, prompts, tokens=10 * prompts, steps=5 * prompts, drafted=35 * prompts,
+                           accepted=accepted, seconds=1.0)
+
+    first = DraftEvaluation("ckpt", "target", 8, 128, [score("dflash-llama runtime", 164, 800),
+                                                         score("llama.cpp draft-dflash", 164, 700)])
+    (tmp_path / "eval.json").write_text(json.dumps(first.to_json()))
+    again = DraftEvaluation("ckpt", "target", 8, 128, [score("dflash-llama runtime (first 20)", 20, 90),
+                                                         score("llama.cpp draft-dflash", 164, 710)])
+    _keep_other_engines(again, tmp_path / "eval.json")
+    assert [(s.engine, s.accepted) for s in again.scores] == [
+        ("dflash-llama runtime", 800), ("dflash-llama runtime (first 20)", 90), ("llama.cpp draft-dflash", 710)]
+    native = EngineScore("llama.cpp draft-dflash", 164, 1000, 0, 700, 63, 1.0)
+    assert "| llama.cpp draft-dflash | 164 | n/a | 0.090 |" in DraftEvaluation("c", "t", 8, 128, [native]).markdown()
