@@ -116,12 +116,19 @@ def test_training_learns_resumes_and_writes_a_loadable_checkpoint(dataset, tiny_
     assert g.tokens == spec.autoregressive("def add(a, b):", 24).tokens
 
 
-def test_training_can_start_from_a_checkpoint(dataset, tiny_target_gguf, tmp_path):
-    out_data, _, _ = dataset
+@pytest.fixture(scope="module")
+def small_draft(dataset, tiny_target_gguf, tmp_path_factory):
+    """A 1-layer draft trained for 2 epochs, and its config: the start of the --init tests."""
     cfg = TrainConfig(target_layer_ids=LAYERS, layers=1, block_size=4, heads=4, kv_heads=2, head_dim=16, ffn=64,
                       epochs=2.0, batch=2, anchors=8, heldout=2, eval_every=100, lr=5e-3, vocab_subset=512, seed=0)
-    first = tmp_path / "first"
-    train(out_data, tiny_target_gguf, first, cfg, progress=False, threads=2)
+    first = tmp_path_factory.mktemp("small_draft")
+    train(dataset[0], tiny_target_gguf, first, cfg, progress=False, threads=2)
+    return first, cfg
+
+
+def test_training_can_start_from_a_checkpoint(dataset, small_draft, tiny_target_gguf, tmp_path):
+    out_data, _, _ = dataset
+    first, cfg = small_draft
     # zero steps from --init: the saved weights are exactly the init checkpoint's
     cfg0 = TrainConfig(**{**cfg.__dict__, "epochs": 0.0, "seed": 7})
     again = tmp_path / "again"
@@ -133,12 +140,10 @@ def test_training_can_start_from_a_checkpoint(dataset, tiny_target_gguf, tmp_pat
               progress=False, threads=2, init=first)
 
 
-def test_a_checkpoint_grows_into_a_deeper_draft_that_computes_the_same(dataset, tiny_target_gguf, tmp_path):
+def test_a_checkpoint_grows_into_a_deeper_draft_that_computes_the_same(dataset, small_draft, tiny_target_gguf,
+                                                                       tmp_path):
     out_data, _, _ = dataset
-    cfg = TrainConfig(target_layer_ids=LAYERS, layers=1, block_size=4, heads=4, kv_heads=2, head_dim=16, ffn=64,
-                      epochs=1.0, batch=2, anchors=8, heldout=2, eval_every=100, lr=5e-3, vocab_subset=512, seed=0)
-    first = tmp_path / "first"
-    train(out_data, tiny_target_gguf, first, cfg, progress=False, threads=2)
+    first, cfg = small_draft
     grown_dir = tmp_path / "grown"
     train(out_data, tiny_target_gguf, grown_dir, TrainConfig(**{**cfg.__dict__, "layers": 3, "epochs": 0.0}),
           progress=False, threads=2, init=first)
