@@ -54,6 +54,7 @@ class TrainConfig:
     heldout: int = 64  # sequences held out for the tau estimate
     eval_every: int = 200  # optimizer steps
     bf16: bool = True  # autocast matmuls to bf16 (1.6x faster on a CPU with AVX512-BF16; weights stay f32)
+    distill: float = 0.0  # weight of KL(target || draft) against cross-entropy on the greedy token
     seed: int = 0
 
     def resolved_gamma(self) -> float:
@@ -156,6 +157,19 @@ class Batch:
     feats: torch.Tensor  # [L, F]
     anchors: torch.Tensor  # [M]
     targets: torch.Tensor  # [M, B-1], -1 past the sequence end
+    teacher: torch.Tensor | None = None  # [M, B-1, H] the target's final hidden state before each target
+
+
+def attach_teacher(b: Batch, tail, tap: slice) -> Batch:
+    """Give `b` the target's own final hidden states for its targets (see target_tail.py).
+
+    tap: the columns of the features that hold the hidden state entering the tail's first layer.
+    Block position k predicts token a+k, which the target predicted from position a+k-1.
+    """
+    final = tail.hidden(b.feats[:, tap])
+    pos = (b.anchors[:, None] + torch.arange(b.targets.shape[1])[None, :]).clamp(max=len(final) - 1)
+    b.teacher = final[pos]
+    return b
 
 
 def make_batch(tokens: np.ndarray, prompt_len: int, feats: np.ndarray, block_size: int, n_anchors: int,
@@ -177,11 +191,13 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 def batch_loss(draft: DFlashDraft, b: Batch, weights: torch.Tensor, vocab: torch.Tensor | None,
-               vocab_index: torch.Tensor | None) -> torch.Tensor:
-    """Weighted cross-entropy over block positions 1..B-1 (over `vocab` if given)."""
+               vocab_index: torch.Tensor | None, distill: float = 0.0) -> torch.Tensor:
+    """Weighted cross-entropy over block positions 1..B-1 (over `vocab` if given), mixed with
+    KL(target || draft) at weight `distill` when the batch carries the target's hidden states."""
     y = block_hidden(draft, b.feats, b.tokens, b.anchors)[:, 1:]  # [M, B-1, H]
     valid = b.targets >= 0
     targets = b.targets.clamp(min=0)
+    head = draft.lm_head
     if vocab is None:
         logits = y @ draft.lm_head.T
     else:
@@ -190,10 +206,16 @@ def batch_loss(draft: DFlashDraft, b: Batch, weights: torch.Tensor, vocab: torch
         cols = torch.cat([vocab, extra])
         index = vocab_index.clone()
         index[extra] = torch.arange(len(vocab), len(cols))
-        logits = y @ draft.lm_head[cols].T
+        head = draft.lm_head[cols]
+        logits = y @ head.T
         targets = torch.where(valid, index[targets], 0)  # masked positions weigh 0 anyway
     logits = draft.finish_logits(logits)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    if distill > 0 and b.teacher is not None:
+        with torch.no_grad():
+            t_logp = F.log_softmax((b.teacher @ head.T).float(), dim=-1)
+        kl = (t_logp.exp() * (t_logp - F.log_softmax(logits.float(), dim=-1))).sum(-1)
+        ce = (1 - distill) * ce + distill * kl.reshape(-1)
     w = (weights[None, :] * valid).reshape(-1)
     return (ce * w).sum() / w.sum().clamp(min=1e-6)
 
@@ -351,6 +373,14 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
         rng.setstate(state["rng"])
 
     weights = position_weights(cfg.block_size, cfg.resolved_gamma())
+    tail, tap = None, None
+    if cfg.distill > 0:
+        from .target_tail import TargetTail
+
+        deepest = max(cfg.target_layer_ids)
+        tail = TargetTail(target_gguf, deepest + 1, t.lm_head)
+        i = list(cfg.target_layer_ids).index(deepest)
+        tap = slice(i * t.embed_tokens.shape[1], (i + 1) * t.embed_tokens.shape[1])
     heldout = [b for b in (make_batch(*sequences[i], cfg.block_size, cfg.anchors, random.Random(i))
                            for i in heldout_ids) if b is not None]
     t0 = time.time() - log.wall_s
@@ -364,8 +394,10 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
             b = make_batch(*sequences[rng.choice(train_ids)], cfg.block_size, cfg.anchors, rng)
             if b is None:
                 continue
+            if tail is not None:
+                attach_teacher(b, tail, tap)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                loss = batch_loss(draft, b, weights, vocab, vocab_index) / cfg.batch
+                loss = batch_loss(draft, b, weights, vocab, vocab_index, cfg.distill) / cfg.batch
             loss.backward()
             loss_sum += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, cfg.clip)

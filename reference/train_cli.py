@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
     p.add_argument("--vocab-subset", type=int, default=8192,
                    help="tokens in the loss's vocabulary (0: all; the held-out estimate always uses all)")
+    p.add_argument("--distill", type=float, default=0.0, metavar="W",
+                   help="weight of KL(target || draft) on the target's whole next-token distribution against "
+                        "cross-entropy on its greedy token (0: cross-entropy only). The target's logits come from "
+                        "its deepest captured layer through its remaining layers, run in PyTorch (llama, qwen3)")
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all)")
@@ -100,6 +104,9 @@ def main(args: argparse.Namespace) -> int:
     if args.block_size < 2:
         print("dflash-llama train: error: --block-size must be at least 2", file=sys.stderr)
         return 2
+    if not 0.0 <= args.distill <= 1.0:
+        print(f"dflash-llama train: error: --distill is a weight between 0 and 1, got {args.distill}", file=sys.stderr)
+        return 2
 
     engines = tuple(e for e in args.eval_engines.split(",") if e)
     unknown = set(engines) - {"runtime", "native", "published"}
@@ -144,7 +151,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = TrainConfig(target_layer_ids=layer_ids, layers=args.layers, block_size=args.block_size,
                       mask_token_id=args.mask_token_id, ffn=args.ffn, epochs=args.epochs, lr=args.lr,
                       batch=args.batch, anchors=args.anchors, vocab_subset=args.vocab_subset,
-                      eval_every=args.eval_every, seed=args.seed)
+                      distill=args.distill, eval_every=args.eval_every, seed=args.seed)
     log = train([data, *args.extra_data], target, args.out, cfg, threads=args.threads, init=args.init)
     summary = {"steps": log.steps[-1] if log.steps else 0, "final_loss": log.loss[-1] if log.loss else None,
                "heldout_tau": log.heldout_tau[-1][1] if log.heldout_tau else None, "wall_s": round(log.wall_s, 1)}

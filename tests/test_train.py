@@ -189,6 +189,7 @@ def test_a_checkpoint_grows_into_a_deeper_draft_that_computes_the_same(dataset, 
     (["--eval-only", "--eval-engines", "bogus"], 2, "--eval-engines takes runtime, native, published; got 'bogus'"),
     (["--eval-only"], 1, "no checkpoint in"),
     (["--target-layer-ids", "1,99"], 2, "target layer 99 is outside the target's 4 layers"),
+    (["--distill", "1.5"], 2, "--distill is a weight between 0 and 1, got 1.5"),
 ])
 def test_cli_refuses_bad_arguments_before_any_work(capsys, tiny_target_gguf, tmp_path, extra, rc, message):
     from dflash_llama import cli
@@ -243,3 +244,45 @@ def test_an_evaluation_of_some_engines_keeps_the_other_scores(tmp_path):
         ("dflash-llama runtime", 800), ("dflash-llama runtime (first 20)", 90), ("llama.cpp draft-dflash", 710)]
     native = EngineScore("llama.cpp draft-dflash", 164, 1000, 0, 700, 63, 1.0)
     assert "| llama.cpp draft-dflash | 164 | n/a | 0.090 |" in DraftEvaluation("c", "t", 8, 128, [native]).markdown()
+
+
+@pytest.mark.parametrize("tap", [0, 1])  # after layer 1: the target's layers 2 and 3 run; after layer 3: none
+def test_target_tail_gives_back_the_targets_greedy_tokens(dataset, tiny_target_gguf, tap):
+    from dflash_llama.reference.target_tail import TargetTail
+
+    out_data, _, _ = dataset
+    t = target_weights_from_gguf(tiny_target_gguf)
+    tail = TargetTail(tiny_target_gguf, LAYERS[tap] + 1, t.lm_head)
+    assert len(tail.layers) == (2, 0)[tap]
+    hidden = t.lm_head.shape[1]
+    for tokens, prompt_len, feats in iter_sequences(out_data):
+        final = tail.hidden(torch.from_numpy(feats[:, tap * hidden:(tap + 1) * hidden].astype(np.float32)))
+        greedy = (final[prompt_len - 1:-1] @ t.lm_head.T).argmax(-1)
+        assert greedy.tolist() == tokens[prompt_len:].tolist()  # the response is the target's greedy output
+
+
+def test_distillation_mixes_kl_to_the_target_into_the_loss(dataset, small_draft, tiny_target_gguf):
+    from dflash_llama.reference.target_tail import TargetTail
+    from dflash_llama.reference.train import attach_teacher, batch_loss
+
+    out_data, _, _ = dataset
+    first, cfg = small_draft
+    t = target_weights_from_gguf(tiny_target_gguf)
+    draft = load_draft(first, t.embed_tokens, t.lm_head)
+    tokens, prompt_len, feats = next(iter(iter_sequences(out_data)))
+    b = make_batch(tokens, prompt_len, feats, 4, 6, random.Random(0))
+    w = position_weights(4, 2.0)
+    with torch.no_grad():
+        ce = batch_loss(draft, b, w, None, None)
+        # a teacher that is the draft itself: KL 0, so the loss is the cross-entropy's share alone
+        b.teacher = block_hidden(draft, b.feats, b.tokens, b.anchors)[:, 1:]
+        assert torch.allclose(batch_loss(draft, b, w, None, None, distill=0.25), 0.75 * ce, rtol=1e-5)
+        assert torch.allclose(batch_loss(draft, b, w, None, None, distill=1.0), torch.tensor(0.0), atol=1e-5)
+        # the real teacher: the target's distribution at the position before each target
+        attach_teacher(b, TargetTail(tiny_target_gguf, LAYERS[0] + 1, t.lm_head), slice(0, t.lm_head.shape[1]))
+        assert b.teacher.shape == (6, 3, t.lm_head.shape[1])
+        greedy = (b.teacher @ t.lm_head.T).argmax(-1)
+        valid = b.targets >= 0
+        assert torch.equal(greedy[valid], b.targets[valid])  # its greedy tokens are the targets
+        kl = batch_loss(draft, b, w, None, None, distill=1.0)
+        assert kl > 0.1 and torch.isfinite(kl)
