@@ -65,7 +65,7 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
                   f"anchor blocks, {st.get('wall_s', 0) / 60:.0f} min wall time on 2 CPU cores (bf16 autocast); "
                   f"AdamW lr {c.get('lr', '?')} with {100 * c.get('warmup', 0):.0f}% warmup and cosine decay, "
                   f"loss over the {c.get('vocab_subset', '?')} most frequent response tokens plus each batch's "
-                  f"targets; final loss {st.get('final_loss') or float('nan'):.3f}, held-out teacher-forced tau "
+                  f"targets{_distill(c)}; final loss {st.get('final_loss') or float('nan'):.3f}, held-out teacher-forced tau "
                   f"(greedy, full vocabulary) {st.get('heldout_tau') or float('nan'):.3f}"] + ([f"   - {st['note']}"] if st.get("note") else [])
     if stages:
         lines += ["", "Recipe: random anchors in the responses, per-block attention masks, position weights "
@@ -92,3 +92,9 @@ def _count_params(path: Path) -> int:
 
     with safe_open(str(path), "pt") as f:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def _distill(c: dict) -> str:
+    w = c.get("distill", 0.0)
+    return (f", {1 - w:g} x cross-entropy on the target's greedy token + {w:g} x KL divergence from the "
+            f"target's next-token distribution (`--distill {w:g}`)") if w else ""
