@@ -15,8 +15,8 @@ import torch
 
 from dflash_llama.converter import gguf_layout as L
 
-from .model import (FULL_ATTENTION, SLIDING_ATTENTION, DFlashDraft, DraftConfig,
-                    default_target_layer_ids)
+from .model import (FULL_ATTENTION, SLIDING_ATTENTION, DFlashDraft, DraftConfig, default_target_layer_ids,
+                    interleaved_to_halves)
 
 # tensors that mark DFlash 2 / DSpark / reduced-vocabulary drafts, which this reference lacks
 GGUF_UNSUPPORTED_MARKERS = ("selector_hidden.weight", "markov_w1.weight", "d2t")
@@ -208,12 +208,9 @@ def _check_shapes(source, cfg: DraftConfig, tensors: dict) -> None:
 def _check_hf_tensors(path, cfg, tensors, interleaved: bool) -> dict:
     _check_shapes(path, cfg, tensors)
     if interleaved:  # interleaved-pair RoPE -> NeoX halves, per head, like llama.cpp's converter
-        d = cfg.head_dim
         for name in list(tensors):
             if name.endswith(_ROPE_PERMUTED):
-                t = tensors[name]
-                tensors[name] = t.reshape(-1, d // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(
-                    t.shape)
+                tensors[name] = interleaved_to_halves(tensors[name], cfg.head_dim)
     return tensors
 
 

@@ -124,6 +124,12 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def interleaved_to_halves(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """q/k projection rows for interleaved-pair RoPE (2i, 2i+1) reordered for NeoX (rotate-half)
+    RoPE: per head, even dims first, then odd (llama.cpp permutes llama's q/k the other way)."""
+    return w.reshape(-1, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [n, heads, head_dim]; cos, sin: [n, head_dim]."""
     half = x.shape[-1] // 2

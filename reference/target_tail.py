@@ -21,14 +21,9 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from .model import apply_rope, rope_cos_sin
+from .model import apply_rope, interleaved_to_halves, rope_cos_sin
 
 ARCHS = ("llama", "qwen3")
-
-
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs back to rotate-half halves)."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,7 +74,7 @@ class TargetTail:
             b = f"blk.{il}."
             wq, wk = get(b + "attn_q.weight"), get(b + "attn_k.weight")
             if permuted:
-                wq, wk = _unpermute(wq, self.n_head), _unpermute(wk, self.n_kv)
+                wq, wk = interleaved_to_halves(wq, self.head_dim), interleaved_to_halves(wk, self.head_dim)
             qk_norm = b + "attn_q_norm.weight" in names
             self.layers.append(_Layer(
                 attn_norm=get(b + "attn_norm.weight"), wq=wq, wk=wk, wv=get(b + "attn_v.weight"),

@@ -199,7 +199,7 @@ def batch_loss(draft: DFlashDraft, b: Batch, weights: torch.Tensor, vocab: torch
     targets = b.targets.clamp(min=0)
     head = draft.lm_head
     if vocab is None:
-        logits = y @ draft.lm_head.T
+        logits = y @ head.T
     else:
         extra = torch.unique(targets[valid])
         extra = extra[vocab_index[extra] < 0]  # targets outside the fixed subset join this batch
