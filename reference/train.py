@@ -234,6 +234,45 @@ def teacher_forced_tau(draft: DFlashDraft, batches: list[Batch]) -> float:
     return total / max(n, 1)
 
 
+@torch.no_grad()
+def replay_tau(draft: DFlashDraft, sequences, chunk: int = 64) -> tuple[float, int]:
+    """tau of the speculative loop replayed on stored greedy target outputs: (tau, verify steps).
+
+    The first block is anchored on the first response token (the prefill's), each next block right
+    after the last accepted token plus the target's own, as real greedy decoding anchors them: the
+    tokens it would produce are the stored response, so no target runs. Unlike teacher_forced_tau's
+    random anchors, blocks start where the previous one failed. tau = response tokens after the
+    first / verify steps, as the evaluation counts it.
+    """
+    B = draft.config.block_size
+    steps = produced = 0
+    for tokens, prompt_len, feats in sequences:
+        L = len(tokens)
+        if L - prompt_len < 2:
+            continue
+        tok = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+        feats = torch.from_numpy(np.asarray(feats, dtype=np.float32))
+        accepted = torch.zeros(L, dtype=torch.long)
+        for anchors in torch.arange(prompt_len, L - 1).split(chunk):
+            y = block_hidden(draft, feats, tok, anchors)[:, 1:]
+            pred = draft.finish_logits(y @ draft.lm_head.T).argmax(-1)
+            idx = anchors[:, None] + torch.arange(1, B)[None, :]
+            target = torch.where(idx < L, tok[idx.clamp(max=L - 1)], torch.tensor(-1))
+            accepted[anchors] = ((pred == target) & (target >= 0)).long().cumprod(dim=1).sum(dim=1)
+        steps += len(replay_anchors(accepted.tolist(), prompt_len))
+        produced += L - 1 - prompt_len  # a last step's tokens past the end are not produced
+    return (produced / steps if steps else 0.0), steps
+
+
+def replay_anchors(accepted: list[int], prompt_len: int) -> list[int]:
+    """Where greedy decoding anchors its blocks, given the drafted tokens accepted at each anchor."""
+    anchors, a = [], prompt_len
+    while a < len(accepted) - 1:
+        anchors.append(a)
+        a += 1 + accepted[a]
+    return anchors
+
+
 # --------------------------------------------------------------------------- loop
 
 def frequent_tokens(sequences, n: int) -> torch.Tensor:

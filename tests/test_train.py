@@ -13,8 +13,8 @@ import torch
 import dflash_llama
 from dflash_llama.converter import convert
 from dflash_llama.reference.checkpoint import load_draft
-from dflash_llama.reference.train import (TrainConfig, block_hidden, make_batch, position_weights, train,
-                                          target_weights_from_gguf)
+from dflash_llama.reference.train import (TrainConfig, block_hidden, make_batch, position_weights, replay_anchors,
+                                          replay_tau, target_weights_from_gguf, train)
 from dflash_llama.reference.train_data import (SELF_OPENER, DatasetSpec, _humaneval_docstring, build_dataset,
                                                 code_prompts, iter_sequences, self_prompts, signature_line)
 
@@ -133,7 +133,7 @@ def test_batches_follow_the_recipe():
 
 def test_training_learns_resumes_and_writes_a_loadable_checkpoint(dataset, tiny_target_gguf, tiny_target_hf,
                                                                  tmp_path):
-    out_data, rt, _ = dataset
+    out_data, rt, prompts = dataset
     cfg = TrainConfig(target_layer_ids=LAYERS, layers=1, block_size=4, heads=4, kv_heads=2, head_dim=16, ffn=64,
                       epochs=12.0, batch=2, anchors=8, heldout=2, eval_every=12, lr=5e-3, vocab_subset=512,
                       mask_token_id=0, seed=0)
@@ -160,6 +160,21 @@ def test_training_learns_resumes_and_writes_a_loadable_checkpoint(dataset, tiny_
     spec = dflash_llama.Runtime(tiny_target_gguf, gguf, n_threads=2, n_ctx=256)
     g = spec.generate("def add(a, b):", 24)
     assert g.tokens == spec.autoregressive("def add(a, b):", 24).tokens
+    # replayed on the stored responses, the loop takes the runtime's verify steps exactly
+    steps = produced = 0
+    for p in prompts:
+        g = spec.generate(p, 24, block_size=4)
+        steps, produced = steps + len(g.steps), produced + len(g.tokens) - 1
+    t = target_weights_from_gguf(tiny_target_gguf)
+    tau, replay_steps = replay_tau(load_draft(ckpt, t.embed_tokens, t.lm_head), iter_sequences(out_data))
+    assert (replay_steps, tau) == (steps, pytest.approx(produced / steps))
+
+
+def test_replay_anchors_each_block_after_the_accepted_tokens_and_the_targets():
+    accepted = [9, 9, 2, 0, 0, 3, 1, 1, 0, 0, 0]  # per position; the prompt is the first 2
+    assert replay_anchors(accepted, 2) == [2, 5, 9]  # 2 accepts 2 (+1): 5 accepts 3 (+1): 9
+    assert replay_anchors([0, 0, 0, 0], 1) == [1, 2]  # nothing accepted: one token per step
+    assert replay_anchors([0, 5], 1) == []  # no token left to produce
 
 
 @pytest.fixture(scope="module")
