@@ -180,9 +180,15 @@ def make_batch(tokens: np.ndarray, prompt_len: int, feats: np.ndarray, block_siz
         return None
     anchors = sorted(rng.sample(candidates, min(n_anchors, len(candidates))))
     tok = torch.from_numpy(tokens.astype(np.int64))
-    idx = torch.tensor(anchors)[:, None] + torch.arange(1, block_size)[None, :]
-    targets = torch.where(idx < L, tok[idx.clamp(max=L - 1)], torch.tensor(-1))
-    return Batch(tok, torch.from_numpy(feats.astype(np.float32)), torch.tensor(anchors), targets)
+    anchors = torch.tensor(anchors)
+    return Batch(tok, torch.from_numpy(feats.astype(np.float32)), anchors, block_targets(tok, anchors, block_size))
+
+
+def block_targets(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[M, B-1]: block position k of the block at anchor a predicts token a + k; -1 past the end."""
+    L = len(tokens)
+    idx = anchors[:, None] + torch.arange(1, block_size)[None, :]
+    return torch.where(idx < L, tokens[idx.clamp(max=L - 1)], torch.tensor(-1))
 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -220,15 +226,20 @@ def batch_loss(draft: DFlashDraft, b: Batch, weights: torch.Tensor, vocab: torch
     return (ce * w).sum() / w.sum().clamp(min=1e-6)
 
 
+def greedy_accepted(draft: DFlashDraft, feats: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                    targets: torch.Tensor) -> torch.Tensor:
+    """[M]: how many of each block's greedy drafts (full vocabulary) match `targets` before the first miss."""
+    y = block_hidden(draft, feats, tokens, anchors)[:, 1:]
+    pred = draft.finish_logits(y @ draft.lm_head.T).argmax(-1)  # [M, B-1]
+    return ((pred == targets) & (targets >= 0)).long().cumprod(dim=1).sum(dim=1)
+
+
 @torch.no_grad()
 def teacher_forced_tau(draft: DFlashDraft, batches: list[Batch]) -> float:
     """Mean 1 + accepted length of greedy drafts against the true continuation (full vocabulary)."""
     total, n = 0.0, 0
     for b in batches:
-        y = block_hidden(draft, b.feats, b.tokens, b.anchors)[:, 1:]
-        pred = draft.finish_logits(y @ draft.lm_head.T).argmax(-1)  # [M, B-1]
-        ok = (pred == b.targets) & (b.targets >= 0)
-        accepted = ok.long().cumprod(dim=1).sum(dim=1)
+        accepted = greedy_accepted(draft, b.feats, b.tokens, b.anchors, b.targets)
         total += float((1 + accepted).sum())
         n += len(accepted)
     return total / max(n, 1)
@@ -254,11 +265,7 @@ def replay_tau(draft: DFlashDraft, sequences, chunk: int = 64) -> tuple[float, i
         feats = torch.from_numpy(np.asarray(feats, dtype=np.float32))
         accepted = torch.zeros(L, dtype=torch.long)
         for anchors in torch.arange(prompt_len, L - 1).split(chunk):
-            y = block_hidden(draft, feats, tok, anchors)[:, 1:]
-            pred = draft.finish_logits(y @ draft.lm_head.T).argmax(-1)
-            idx = anchors[:, None] + torch.arange(1, B)[None, :]
-            target = torch.where(idx < L, tok[idx.clamp(max=L - 1)], torch.tensor(-1))
-            accepted[anchors] = ((pred == target) & (target >= 0)).long().cumprod(dim=1).sum(dim=1)
+            accepted[anchors] = greedy_accepted(draft, feats, tok, anchors, block_targets(tok, anchors, B))
         steps += len(replay_anchors(accepted.tolist(), prompt_len))
         produced += L - 1 - prompt_len  # a last step's tokens past the end are not produced
     return (produced / steps if steps else 0.0), steps
