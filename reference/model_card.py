@@ -41,9 +41,7 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
         "",
         "Code-completion prompts (a signature and a docstring, HumanEval-shaped) cut from documented "
         "public functions of the Python sources a fresh machine has"
-        + (", and exercises the target wrote itself (`self_prompts`: function signatures it sampled, each "
-           "prompt opening a docstring)" if any(m.get("source", "").startswith("self_prompts") for m in manifests)
-           else "")
+        + _self_written(manifests)
         + " (`reference/train_data.py`); "
         "HumanEval itself is held out for evaluation and never read. The target's own greedy "
         f"responses (up to {' or '.join(map(str, lengths))} tokens each, through our C++ runtime), its features at the draft's target "
@@ -66,11 +64,11 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
         what = "from random weights" if i == 0 else "then, starting from that checkpoint (`--init`)"
         lines += [f"{i + 1}. {what}: `{st.get('command', '?')}`",
                   f"   - {st.get('steps')} optimizer steps of {c.get('batch', '?')} sequences x {c.get('anchors', '?')} "
-                  f"anchor blocks, {st.get('wall_s', 0) / 60:.0f} min wall time on 2 CPU cores (bf16 autocast); "
+                  f"anchor blocks, {st.get('wall_s', 0) / 60:.0f} min wall time on 2 CPU cores{_autocast(c)}; "
                   f"AdamW lr {c.get('lr', '?')} with {100 * c.get('warmup', 0):.0f}% warmup and cosine decay, "
                   f"loss over the {c.get('vocab_subset', '?')} most frequent response tokens plus each batch's "
-                  f"targets{_distill(c)}; final loss {st.get('final_loss') or float('nan'):.3f}, held-out teacher-forced tau "
-                  f"(greedy, full vocabulary) {st.get('heldout_tau') or float('nan'):.3f}"] + ([f"   - {st['note']}"] if st.get("note") else [])
+                  f"targets{_distill(c)}{_gamma(c)}; final loss {st.get('final_loss') or float('nan'):.3f}, held-out "
+                  f"{_heldout_measure(c)} tau (greedy, full vocabulary) {st.get('heldout_tau') or float('nan'):.3f}"] + ([f"   - {st['note']}"] if st.get("note") else [])
     if stages:
         lines += ["", "Recipe: random anchors in the responses, per-block attention masks, position weights "
                   "exp(-(k-1)/gamma), the target's embeddings and head frozen (`reference/train.py`)."]
@@ -96,6 +94,36 @@ def _count_params(path: Path) -> int:
 
     with safe_open(str(path), "pt") as f:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def _self_written(manifests: list[dict]) -> str:
+    """What the data paragraph says of exercises the target wrote itself, by prompt style."""
+    sources = [m.get("source", "") for m in manifests if m.get("source", "").startswith("self_prompts")]
+    if not sources:
+        return ""
+    kinds = []
+    if any("style='humaneval'" not in s for s in sources):
+        kinds.append("each prompt opening a docstring")
+    if any("style='humaneval'" in s for s in sources):
+        kinds.append("or, with `style='humaneval'`, followed by a docstring it sampled too (half with doctest "
+                     "examples) and closed, so the prompt ends where a HumanEval prompt ends")
+    return (", and exercises the target wrote itself (`self_prompts`: function signatures it sampled, "
+            + ", ".join(kinds) + ")")
+
+
+def _heldout_measure(c: dict) -> str:
+    """How a stage estimated tau on its held-out sequences (logs before replay: teacher forced)."""
+    return {"replay": "replayed"}.get(c.get("heldout_measure", "teacher-forced"), "teacher-forced")
+
+
+def _autocast(c: dict) -> str:
+    """The matmul precision of a stage (logs written before it was recorded: bf16 autocast)."""
+    return " (bf16 autocast)" if c.get("bf16", True) else " (f32)"
+
+
+def _gamma(c: dict) -> str:
+    g = c.get("gamma", 0.0)
+    return f", position weights exp(-(k-1)/{g:g}) (`--gamma {g:g}`)" if g else ""
 
 
 def _distill(c: dict) -> str:

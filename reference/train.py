@@ -9,7 +9,8 @@ predicts token a+k with weight exp(-(k-1)/gamma).
 To fit a CPU, the loss normalises over a fixed subset of the vocabulary (the tokens the target
 actually writes in the training data, plus every target token of the batch) instead of all of it:
 the head matmul is the bulk of the cost, and tokens the target never writes carry no signal.
-The held-out estimate of tau (greedy, teacher forced) uses the full vocabulary.
+The held-out estimate of tau replays the speculative loop on the held-out sequences (greedy, full
+vocabulary, blocks anchored where real decoding anchors them: `replay_tau`).
 
 Checkpoints are the published HF format (config.json + model.safetensors, bf16), so our converter,
 llama.cpp's converter and the `dflash` package all load them; `train_state.pt` makes it resumable.
@@ -52,8 +53,9 @@ class TrainConfig:
     gamma: float = 0.0  # 0: 7 for B=16, 4 for B=8 (published), else B/2
     vocab_subset: int = 8192  # 0: full vocabulary in the loss
     heldout: int = 64  # sequences held out for the tau estimate
+    heldout_measure: str = "replay"  # replay_tau on the held-out sequences ("teacher-forced" before it existed)
     eval_every: int = 200  # optimizer steps
-    bf16: bool = True  # autocast matmuls to bf16 (1.6x faster on a CPU with AVX512-BF16; weights stay f32)
+    bf16: bool | None = None  # autocast matmuls to bf16 (weights stay f32); None: where the CPU has bf16 units
     distill: float = 0.0  # weight of KL(target || draft) against cross-entropy on the greedy token
     seed: int = 0
 
@@ -230,8 +232,15 @@ def greedy_accepted(draft: DFlashDraft, feats: torch.Tensor, tokens: torch.Tenso
                     targets: torch.Tensor) -> torch.Tensor:
     """[M]: how many of each block's greedy drafts (full vocabulary) match `targets` before the first miss."""
     y = block_hidden(draft, feats, tokens, anchors)[:, 1:]
-    pred = draft.finish_logits(y @ draft.lm_head.T).argmax(-1)  # [M, B-1]
-    return ((pred == targets) & (targets >= 0)).long().cumprod(dim=1).sum(dim=1)
+    accepted = torch.zeros(len(anchors), dtype=torch.long)
+    alive = torch.arange(len(anchors))  # blocks whose drafts matched so far
+    for k in range(y.shape[1]):  # position by position: the head runs only where it still matters
+        pred = draft.finish_logits(y[alive, k] @ draft.lm_head.T).argmax(-1)
+        alive = alive[(pred == targets[alive, k]) & (targets[alive, k] >= 0)]
+        if not len(alive):
+            break
+        accepted[alive] += 1
+    return accepted
 
 
 @torch.no_grad()
@@ -281,6 +290,16 @@ def replay_anchors(accepted: list[int], prompt_len: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------- loop
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX). There, bf16 autocast made a
+    training step 1.6x faster; on an AVX2-only CPU it is emulated and made one 10x slower."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+
 
 def frequent_tokens(sequences, n: int) -> torch.Tensor:
     counts = np.zeros(1, dtype=np.int64)
@@ -419,6 +438,7 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
         rng.setstate(state["rng"])
 
     weights = position_weights(cfg.block_size, cfg.resolved_gamma())
+    bf16 = cpu_has_bf16() if cfg.bf16 is None else cfg.bf16
     tail, tap = None, None
     if cfg.distill > 0:
         from .target_tail import TargetTail
@@ -427,8 +447,7 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
         tail = TargetTail(target_gguf, deepest + 1, t.lm_head)
         i = list(cfg.target_layer_ids).index(deepest)
         tap = slice(i * t.embed_tokens.shape[1], (i + 1) * t.embed_tokens.shape[1])
-    heldout = [b for b in (make_batch(*sequences[i], cfg.block_size, cfg.anchors, random.Random(i))
-                           for i in heldout_ids) if b is not None]
+    heldout = [sequences[i] for i in heldout_ids]
     t0 = time.time() - log.wall_s
     bar = tqdm(total=total_steps, initial=step, disable=not progress, desc="train", unit="step")
     last_tau = log.heldout_tau[-1][1] if log.heldout_tau else float("nan")
@@ -442,7 +461,7 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
                 continue
             if tail is not None:
                 attach_teacher(b, tail, tap)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 loss = batch_loss(draft, b, weights, vocab, vocab_index, cfg.distill) / cfg.batch
             loss.backward()
             loss_sum += float(loss.detach())
@@ -454,7 +473,7 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
         log.loss.append(loss_sum)
         if step % cfg.eval_every == 0 or step == total_steps:
             draft.eval()
-            last_tau = teacher_forced_tau(draft, heldout)
+            last_tau = replay_tau(draft, heldout)[0]
             draft.train()
             log.heldout_tau.append((step, last_tau))
             log.wall_s = time.time() - t0

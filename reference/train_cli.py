@@ -32,7 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-style", choices=("docstring", "humaneval"), default="docstring",
                    help="docstring: signature and whole docstring; humaneval: signature, summary paragraph "
                         "and up to three doctest examples after a blank line, as HumanEval's prompts "
-                        "(functions without examples are skipped)")
+                        "(functions without examples are skipped). With --prompt-source self: docstring "
+                        "leaves the docstring open for the response; humaneval has the target sample it "
+                        "(every second one with doctest examples) and closes it, as HumanEval's prompts end")
     p.add_argument("--prompt-source", choices=("code", "self"), default="code",
                    help="code: functions documented in the standard library and --packages; self: exercises the "
                         "target writes itself (it samples function signatures, each prompt opens the docstring; "
@@ -52,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
     p.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
+    p.add_argument("--gamma", type=float, default=0.0,
+                   help="position weights exp(-(k-1)/gamma) of block position k (default: the published 4 for "
+                        "--block-size 8, 7 for 16; smaller puts the weight on the first drafted tokens)")
     p.add_argument("--vocab-subset", type=int, default=8192,
                    help="tokens in the loss's vocabulary (0: all; the held-out estimate always uses all)")
     p.add_argument("--distill", type=float, default=0.0, metavar="W",
@@ -77,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
     from dflash_llama.runtime import Runtime
 
     from .model import default_target_layer_ids
-    from .train import TrainConfig, train
+    from .train import TrainConfig, cpu_has_bf16, train
     from .train_data import DatasetSpec, build_dataset, code_prompts
 
     target = Path(args.target)
@@ -108,6 +113,10 @@ def main(args: argparse.Namespace) -> int:
     if args.block_size < 2:
         print("dflash-llama train: error: --block-size must be at least 2", file=sys.stderr)
         return 2
+    if args.gamma < 0:
+        print(f"dflash-llama train: error: --gamma must be positive (0: the published value), got {args.gamma}",
+              file=sys.stderr)
+        return 2
     if not 0.0 <= args.distill <= 1.0:
         print(f"dflash-llama train: error: --distill is a weight between 0 and 1, got {args.distill}", file=sys.stderr)
         return 2
@@ -129,14 +138,14 @@ def main(args: argparse.Namespace) -> int:
     data = args.data or args.out / "data"
     packages = [p for p in args.packages.split(",") if p]
     end = args.prompt_offset + args.prompts if args.prompts else ""
+    style = f", style={args.prompt_style!r}" if args.prompt_style != "docstring" else ""
     if args.prompt_source == "self":
         if not args.prompts:
             print("dflash-llama train: error: --prompt-source self needs --prompts N (how many exercises "
                   "the target writes)", file=sys.stderr)
             return 2
-        source = f"self_prompts(seed={args.seed})[{args.prompt_offset}:{end}]"
+        source = f"self_prompts(seed={args.seed}{style})[{args.prompt_offset}:{end}]"
     else:
-        style = f", style={args.prompt_style!r}" if args.prompt_style != "docstring" else ""
         source = (f"code_prompts(seed={args.seed}, packages={packages}, stdlib={not args.no_stdlib}, "
                   f"with_examples={args.with_examples}{style})[{args.prompt_offset}:{end}]")
     mismatch = _other_prompts(data, source)
@@ -164,8 +173,8 @@ def main(args: argparse.Namespace) -> int:
 
     cfg = TrainConfig(target_layer_ids=layer_ids, layers=args.layers, block_size=args.block_size,
                       mask_token_id=args.mask_token_id, ffn=args.ffn, epochs=args.epochs, lr=args.lr,
-                      batch=args.batch, anchors=args.anchors, vocab_subset=args.vocab_subset,
-                      distill=args.distill, eval_every=args.eval_every, seed=args.seed)
+                      batch=args.batch, anchors=args.anchors, gamma=args.gamma, vocab_subset=args.vocab_subset,
+                      distill=args.distill, eval_every=args.eval_every, seed=args.seed, bf16=cpu_has_bf16())
     log = train([data, *args.extra_data], target, args.out, cfg, threads=args.threads, init=args.init)
     summary = {"steps": log.steps[-1] if log.steps else 0, "final_loss": log.loss[-1] if log.loss else None,
                "heldout_tau": log.heldout_tau[-1][1] if log.heldout_tau else None, "wall_s": round(log.wall_s, 1)}
@@ -193,7 +202,7 @@ def _target_written_prompts(target: Path, data: Path, args: argparse.Namespace) 
         if len(prompts) >= want:
             return prompts[args.prompt_offset:want]
     rt = Runtime(target, None, n_threads=args.threads, n_ctx=2048, n_batch=512, n_seq=16)
-    prompts = self_prompts(rt, want, seed=args.seed, batch=16)
+    prompts = self_prompts(rt, want, seed=args.seed, batch=16, style=args.prompt_style)
     del rt
     data.mkdir(parents=True, exist_ok=True)
     tmp = saved.with_suffix(".tmp")

@@ -147,38 +147,111 @@ def signature_line(text: str) -> str | None:
     return line
 
 
+def _signatures(runtime, seed: int, batch: int, limit: int, temperature: float, top_p: float):
+    """New function signatures the target samples after SELF_OPENER, `batch` at a time (seeds seed,
+    seed + batch, ...), each name once; at most `limit` samples are drawn (it may write none)."""
+    names: set[str] = set()
+    # only the first line is kept: stop each sample at its first line break
+    newlines = [t for t in range(runtime.n_vocab) if "\n" in runtime.detokenize([t])]
+    for round_seed in range(seed, seed + limit, batch):
+        for g in runtime.autoregressive_batch([SELF_OPENER] * batch, 32, temperature=temperature, top_p=top_p,
+                                              seed=round_seed, stop_tokens=newlines):
+            line = signature_line(g.text)
+            name = line.split("(", 1)[0] if line else None
+            if line and name not in names:
+                names.add(name)
+                yield line
+
+
 def self_prompts(runtime, n: int, seed: int = 0, temperature: float = 0.8, top_p: float = 0.95,
-                 batch: int = 16, progress: bool = True) -> list[str]:
+                 batch: int = 16, style: str = "docstring", progress: bool = True) -> list[str]:
     """Exercises the target writes itself, in the shape of HumanEval's prompts.
 
     The target samples function signatures after SELF_OPENER (`batch` at a time through
     `runtime.autoregressive_batch`, seeds seed, seed + batch, ...); each new function name makes one
-    prompt: the opener, the signature and an open docstring, which the target's greedy response fills
-    in with a description, then the body, as it answers a HumanEval prompt. Small instruct models
-    write the exercises they were taught on (lists, strings, numbers), HumanEval's domain, without
-    HumanEval being read. Deterministic for a given target and seed.
+    prompt. style "docstring": the opener, the signature and an open docstring, which the target's
+    greedy response fills in with a description, then the body. style "humaneval": the target also
+    writes the docstring, sampled (`close_docstrings`), and the prompt ends after its closing quotes,
+    as HumanEval's do, so the greedy response is what the target writes after a finished exercise.
+    Small instruct models write the exercises they were taught on (lists, strings, numbers),
+    HumanEval's domain, without HumanEval being read. Deterministic for a given target and seed.
     """
     from tqdm import tqdm
 
+    if style not in PROMPT_STYLES:
+        raise ValueError(f"prompt style {style!r}: expected one of {', '.join(PROMPT_STYLES)}")
     prompts: list[str] = []
-    names: set[str] = set()
+    signatures = _signatures(runtime, seed, batch, 64 * max(n, 1) + batch, temperature, top_p)
     bar = tqdm(total=n, disable=not progress, desc="target-written prompts", unit="prompt")
-    for round_seed in range(seed, seed + 64 * max(n, 1) + batch, batch):  # bounded: stops if it writes no signatures
-        if len(prompts) >= n:
+    while len(prompts) < n:
+        opened = [f'{SELF_OPENER}{line}\n    """' for line in _take(signatures, batch)]
+        if not opened:
             break
-        for g in runtime.autoregressive_batch([SELF_OPENER] * batch, 32, temperature=temperature, top_p=top_p,
-                                              seed=round_seed):
-            line = signature_line(g.text)
-            name = line.split("(", 1)[0] if line else None
-            if line and name not in names and len(prompts) < n:
-                names.add(name)
-                prompts.append(f'{SELF_OPENER}{line}\n    """')
-                bar.update(1)
+        if style == "humaneval":
+            opened = close_docstrings(runtime, opened, seed=seed + len(prompts), temperature=temperature,
+                                      top_p=top_p)
+        opened = opened[:n - len(prompts)]
+        prompts += opened
+        bar.update(len(opened))
     bar.close()
     if len(prompts) < n:
         raise ValueError(f"the target wrote {len(prompts)} distinct function signatures, not {n}: "
                          f"ask for fewer prompts or use --prompt-source code")
     return prompts
+
+
+def _take(iterator, k: int) -> list:
+    out = []
+    for item in iterator:
+        out.append(item)
+        if len(out) == k:
+            break
+    return out
+
+
+DOCSTRING_QUOTES = '"""'
+
+
+def close_docstrings(runtime, prompts: Sequence[str], seed: int = 0, temperature: float = 0.8, top_p: float = 0.95,
+                     max_tokens: int = 160) -> list[str]:
+    """Prompts ending in an open docstring, with the docstring the target samples for each, closed.
+
+    Every second prompt's docstring then gets doctest examples the target writes too: its text is
+    reopened with `>>> name(` and sampled again to the closing quotes, as most HumanEval prompts show
+    examples. A prompt whose docstring does not close within `max_tokens`, is not ASCII, or does not
+    make valid Python is dropped. Each ends with the closing quotes and a newline.
+    """
+    stops = sorted({runtime.tokenize(q, add_special=False)[-1] for q in (DOCSTRING_QUOTES, " " + DOCSTRING_QUOTES)})
+
+    def sample(texts: list[str], salt: int) -> list[str | None]:
+        """Each text continued to its first closing quotes (included), or None."""
+        out = []
+        for t, g in zip(texts, runtime.autoregressive_batch(texts, max_tokens, temperature=temperature, top_p=top_p,
+                                                            seed=seed + salt, stop_tokens=stops)):
+            end = g.text.find(DOCSTRING_QUOTES)
+            out.append(None if end < 0 or not g.text.isascii() else t + g.text[:end + len(DOCSTRING_QUOTES)])
+        return out
+
+    closed = sample(list(prompts), 0)
+    reopen = [i for i, c in enumerate(closed) if c is not None and i % 2 == 1]
+    texts = []
+    for i in reopen:
+        name = prompts[i][len(SELF_OPENER):].split("(", 1)[0]
+        body = closed[i][:-len(DOCSTRING_QUOTES)].rstrip()
+        texts.append(f"{body}\n    >>> {name}(")
+    for i, c in zip(reopen, sample(texts, 1_000_000) if texts else []):
+        closed[i] = c
+    done = []
+    for c in closed:
+        if c is None:
+            continue
+        c += "\n"
+        try:
+            compile(c + "    pass\n", "<prompt>", "exec")
+        except (SyntaxError, ValueError):
+            continue
+        done.append(c)
+    return done
 
 
 @dataclass

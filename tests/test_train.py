@@ -66,11 +66,17 @@ def test_signature_line_takes_only_a_whole_signature():
 class _WritingRuntime:
     """Stands in for Runtime.autoregressive_batch: sample i of a call seeded s is script[(s + i) % len]."""
 
+    n_vocab = 3
+
     def __init__(self, script):
         self.script, self.seeds = script, []
 
-    def autoregressive_batch(self, prompts, n, *, temperature, top_p, seed):
+    def detokenize(self, tokens):
+        return {0: "def", 1: ":\n", 2: " x"}[tokens[0]]
+
+    def autoregressive_batch(self, prompts, n, *, temperature, top_p, seed, stop_tokens):
         assert all(p == SELF_OPENER for p in prompts) and n == 32 and temperature == 0.8 and top_p == 0.95
+        assert stop_tokens == [1]  # a sample stops at its first line break
         self.seeds.append(seed)
         return [type("G", (), {"text": self.script[(seed + i) % len(self.script)]})() for i in range(len(prompts))]
 
@@ -83,6 +89,62 @@ def test_self_prompts_open_a_docstring_after_each_new_signature():
     compile(prompts[1] + 'Reverse."""\n', "<prompt>", "exec")
     with pytest.raises(ValueError, match="the target wrote 0 distinct function signatures, not 3"):
         self_prompts(_WritingRuntime(["junk"]), 3, batch=4, progress=False)
+
+
+class _DocstringRuntime:
+    """Stands in for the target writing docstrings: `write(prompt)` is a prompt's continuation; every
+    call's (prompt count, token limit, seed, stop tokens) is recorded."""
+
+    def __init__(self, write):
+        self.write, self.calls = write, []
+
+    def tokenize(self, text, add_special=True):
+        return {'"""': [7], ' """': [8]}[text]
+
+    def autoregressive_batch(self, prompts, n, *, temperature, top_p, seed, stop_tokens=()):
+        self.calls.append((len(prompts), n, seed, tuple(stop_tokens)))
+        return [type("G", (), {"text": self.write(p)})() for p in prompts]
+
+
+def test_close_docstrings_closes_each_and_adds_examples_to_every_second():
+    from dflash_llama.reference.train_data import close_docstrings
+
+    docs = {"add": 'Add two numbers."""', "rev": 'Reverse s.\n    """', "bad": 'Ünïcode."""', "odd": "Is n odd?"}
+    examples = {"rev": "'ab')\n    'ba'\n    \"\"\" text after the quotes", "odd": "3)\n    True"}
+
+    def write(prompt):
+        name = prompt[len(SELF_OPENER):].split("(", 1)[0]
+        return examples[name] if prompt.endswith(f">>> {name}(") else docs[name]
+
+    rt = _DocstringRuntime(write)
+    opened = [f'{SELF_OPENER}{sig}\n    """' for sig in ("add(a, b):", "rev(s):", "bad(x):", "odd(n):")]
+    closed = close_docstrings(rt, opened, seed=10, max_tokens=50)
+    # add: closed as written; rev (second): reopened for examples; bad: not ASCII; odd: never closes
+    assert closed == [f'{SELF_OPENER}add(a, b):\n    """Add two numbers."""\n',
+                      f'{SELF_OPENER}rev(s):\n    """Reverse s.\n    >>> rev(\'ab\')\n    \'ba\'\n    """\n']
+    assert rt.calls == [(4, 50, 10, (7, 8)), (1, 50, 1_000_010, (7, 8))]
+    for c in closed:
+        compile(c + "    pass\n", "<prompt>", "exec")
+
+
+def test_self_prompts_in_humaneval_style_end_after_the_docstring():
+    signatures = _WritingRuntime([" add(a, b):", " rev(s: str) -> str:"])
+
+    def write(prompt):
+        if prompt == SELF_OPENER:
+            raise AssertionError("signatures come from the other stand-in")
+        return "'x')\n    'x'\n    \"\"\"" if prompt.endswith(">>> rev(") else 'Do it."""'
+
+    rt = _DocstringRuntime(write)
+    rt.n_vocab, rt.detokenize = signatures.n_vocab, signatures.detokenize
+    sample = rt.autoregressive_batch
+    rt.autoregressive_batch = lambda prompts, n, **kw: (
+        signatures.autoregressive_batch(prompts, n, **kw) if prompts[0] == SELF_OPENER else sample(prompts, n, **kw))
+    prompts = self_prompts(rt, 2, seed=4, batch=2, style="humaneval", progress=False)
+    assert prompts == [f'{SELF_OPENER}add(a, b):\n    """Do it."""\n',
+                       f'{SELF_OPENER}rev(s: str) -> str:\n    """Do it.\n    >>> rev(\'x\')\n    \'x\'\n    """\n']
+    with pytest.raises(ValueError, match="prompt style 'chat': expected one of docstring, humaneval"):
+        self_prompts(rt, 1, style="chat", progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -236,6 +298,7 @@ def test_a_checkpoint_grows_into_a_deeper_draft_that_computes_the_same(dataset, 
     (["--eval-only"], 1, "no checkpoint in"),
     (["--target-layer-ids", "1,99"], 2, "target layer 99 is outside the target's 4 layers"),
     (["--distill", "1.5"], 2, "--distill is a weight between 0 and 1, got 1.5"),
+    (["--gamma", "-1"], 2, "--gamma must be positive (0: the published value), got -1.0"),
     (["--prompt-source", "self"], 2, "--prompt-source self needs --prompts N"),
 ])
 def test_cli_refuses_bad_arguments_before_any_work(capsys, tiny_target_gguf, tmp_path, extra, rc, message):
@@ -333,3 +396,31 @@ def test_distillation_mixes_kl_to_the_target_into_the_loss(dataset, small_draft,
         assert torch.equal(greedy[valid], b.targets[valid])  # its greedy tokens are the targets
         kl = batch_loss(draft, b, w, None, None, distill=1.0)
         assert kl > 0.1 and torch.isfinite(kl)
+
+
+def test_model_card_says_how_each_stage_was_trained(tmp_path):
+    from dflash_llama.reference.model_card import write_model_card
+
+    ckpt, data = tmp_path / "draft", tmp_path / "data"
+    ckpt.mkdir()
+    data.mkdir()
+    config = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "intermediate_size": 128, "block_size": 8, "num_target_layers": 4,
+              "dflash_config": {"mask_token_id": 0, "target_layer_ids": LAYERS}}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import save_file
+
+    save_file({"fc.weight": torch.zeros(64, 128)}, str(ckpt / "model.safetensors"))
+    old = {"command": "dflash-llama train A", "steps": 10, "config": {"batch": 8, "anchors": 32, "lr": 6e-4}}
+    new = {"command": "dflash-llama train B", "steps": 5, "init": old,
+           "config": {"batch": 8, "anchors": 32, "lr": 3e-4, "gamma": 1.5, "bf16": False, "heldout_measure": "replay"}}
+    (ckpt / "train_log.json").write_text(json.dumps(new))
+    (data / "manifest.json").write_text(json.dumps({
+        "target": "t.gguf", "layer_ids": LAYERS, "max_new_tokens": 192, "prompts_done": 4, "shards": [],
+        "n_tokens": 100, "n_response_tokens": 60, "source": "self_prompts(seed=0, style='humaneval')[0:4]"}))
+    card = write_model_card(ckpt, [data]).read_text()
+    stage1, stage2 = card.split("1. from random weights")[1].split("2. then")
+    assert "(bf16 autocast)" in stage1 and "held-out teacher-forced tau" in stage1 and "--gamma" not in stage1
+    assert "(f32)" in stage2 and "held-out replayed tau" in stage2
+    assert "position weights exp(-(k-1)/1.5) (`--gamma 1.5`)" in stage2
+    assert "followed by a docstring it sampled too" in card and "each prompt opening a docstring" not in card
