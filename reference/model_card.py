@@ -9,19 +9,34 @@ from pathlib import Path
 from dflash_llama.paths import display_path
 
 
+def dataset_summary(data_dir: Path) -> dict:
+    """What a model card shows of one dataset, from its manifest; the trainer keeps it in train_log.json
+    so that a later stage's card can still show the datasets of the stages before it."""
+    m = json.loads((Path(data_dir) / "manifest.json").read_text())
+    return {"name": Path(data_dir).name, "source": m.get("source", "?"), "target": m["target"],
+            "max_new_tokens": m["max_new_tokens"], "sequences": m["prompts_done"],
+            "response_tokens": m["n_response_tokens"], "tokens": m["n_tokens"]}
+
+
 def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
     cfg = json.loads((ckpt / "config.json").read_text())
     log = json.loads((ckpt / "train_log.json").read_text()) if (ckpt / "train_log.json").exists() else {}
     ev = json.loads((ckpt / "eval.json").read_text()) if (ckpt / "eval.json").exists() else None
-    manifests = [json.loads((Path(d) / "manifest.json").read_text()) for d in data_dirs]
-    n_seq_tokens = sum(m["n_tokens"] for m in manifests)
-    n_resp = sum(m["n_response_tokens"] for m in manifests)
-    n_prompts = sum(m["prompts_done"] for m in manifests)
+    stages = []
+    stage = log
+    while stage:
+        stages.insert(0, stage)
+        stage = stage.get("init")
+    datasets = _datasets(stages, [dataset_summary(d) for d in data_dirs])
+    n_resp = sum(d["response_tokens"] for d in datasets)
+    n_prompts = sum(d["sequences"] for d in datasets)
+    with_prompts = (f" ({sum(d['tokens'] for d in datasets):,} with prompts)"
+                    if all(d.get("tokens") is not None for d in datasets) else "")
     dc = cfg["dflash_config"]
     params = _count_params(ckpt / "model.safetensors")
 
-    target = Path(manifests[0]["target"]) if manifests else Path("target")
-    lengths = sorted({m["max_new_tokens"] for m in manifests}) or ["?"]
+    target = Path(datasets[-1]["target"]) if datasets else Path("target")
+    lengths = sorted({d["max_new_tokens"] for d in datasets}) or ["?"]
     lines = [
         f"# {target.name.split('.')[0]} DFlash draft (dflash-llama)",
         "",
@@ -41,7 +56,7 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
         "",
         "Code-completion prompts (a signature and a docstring, HumanEval-shaped) cut from documented "
         "public functions of the Python sources a fresh machine has"
-        + _self_written(manifests)
+        + _self_written(datasets)
         + " (`reference/train_data.py`); "
         "HumanEval itself is held out for evaluation and never read. The target's own greedy "
         f"responses (up to {' or '.join(map(str, lengths))} tokens each, through our C++ runtime), its features at the draft's target "
@@ -50,15 +65,9 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
         "| dataset | prompts (`dflash_llama.reference.train_data`) | sequences | response tokens |",
         "|---|---|---:|---:|",
     ]
-    for d, m in zip(data_dirs, manifests):
-        lines.append(f"| {Path(d).name} | `{m.get('source', '?')}` | {m['prompts_done']:,} | "
-                     f"{m['n_response_tokens']:,} |")
-    lines += [f"| all | | {n_prompts:,} | {n_resp:,} ({n_seq_tokens:,} with prompts) |", "", "## Training", ""]
-    stages = []
-    stage = log
-    while stage:
-        stages.insert(0, stage)
-        stage = stage.get("init")
+    for d in datasets:
+        lines.append(f"| {d['name']} | `{d['source']}` | {d['sequences']:,} | {d['response_tokens']:,} |")
+    lines += [f"| all | | {n_prompts:,} | {n_resp:,}{with_prompts} |", "", "## Training", ""]
     for i, st in enumerate(stages):
         c = st.get("config", {})
         what = "from random weights" if i == 0 else "then, starting from that checkpoint (`--init`)"
@@ -96,9 +105,20 @@ def _count_params(path: Path) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
-def _self_written(manifests: list[dict]) -> str:
+def _datasets(stages: list[dict], given: list[dict]) -> list[dict]:
+    """Every dataset a stage trained on, oldest first, once each: the summaries the stages recorded,
+    then the given ones (read from their manifests now, so they win over a stage's record)."""
+    by_name = {}
+    for d in (d for st in stages for d in st.get("datasets", [])):
+        by_name.setdefault(d["name"], d)
+    for d in given:
+        by_name[d["name"]] = d
+    return list(by_name.values())
+
+
+def _self_written(datasets: list[dict]) -> str:
     """What the data paragraph says of exercises the target wrote itself, by prompt style."""
-    sources = [m.get("source", "") for m in manifests if m.get("source", "").startswith("self_prompts")]
+    sources = [m.get("source", "") for m in datasets if m.get("source", "").startswith("self_prompts")]
     if not sources:
         return ""
     kinds = []

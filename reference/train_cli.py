@@ -178,9 +178,12 @@ def main(args: argparse.Namespace) -> int:
     log = train([data, *args.extra_data], target, args.out, cfg, threads=args.threads, init=args.init)
     summary = {"steps": log.steps[-1] if log.steps else 0, "final_loss": log.loss[-1] if log.loss else None,
                "heldout_tau": log.heldout_tau[-1][1] if log.heldout_tau else None, "wall_s": round(log.wall_s, 1)}
+    from .model_card import dataset_summary
+
     init_log = args.init / "train_log.json" if args.init else None
     record = {**summary, "command": "dflash-llama train " + " ".join(sys.argv[2:]), "config": asdict(cfg),
               "data": [str(d) for d in [data, *args.extra_data]],
+              "datasets": [dataset_summary(d) for d in [data, *args.extra_data]],
               "init": json.loads(init_log.read_text()) if init_log and init_log.exists() else None,
               "loss": log.loss, "heldout_tau_curve": log.heldout_tau}
     (args.out / "train_log.json").write_text(json.dumps(record, indent=1))
@@ -227,6 +230,14 @@ def _other_prompts(data: Path, source: str) -> str | None:
 def _evaluate(args: argparse.Namespace, target: Path) -> int:
     from .train_eval import evaluate
 
+    # the model card's datasets: those named, else OUT/data where training built it; train_log.json
+    # records the datasets of every stage, so none is needed for a checkpoint trained by this command
+    card_data = ([args.data] if args.data else [args.out / "data"] if (args.out / "data").is_dir() else [])
+    card_data += args.extra_data
+    for d in card_data:
+        if not (d / "manifest.json").exists():
+            print(f"dflash-llama train: error: {d}: not a dataset (no manifest.json)", file=sys.stderr)
+            return 1
     if not (args.out / "config.json").exists():
         print(f"dflash-llama train: error: no checkpoint in {args.out} to evaluate", file=sys.stderr)
         return 1
@@ -236,6 +247,6 @@ def _evaluate(args: argparse.Namespace, target: Path) -> int:
     print(ev.markdown())
     from .model_card import write_model_card
 
-    card = write_model_card(args.out, [args.data or args.out / "data", *args.extra_data])
+    card = write_model_card(args.out, card_data)
     print(f"model card: {card}")
     return 0 if all(s.exact is not False for s in ev.scores) else 3

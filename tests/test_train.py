@@ -296,6 +296,7 @@ def test_a_checkpoint_grows_into_a_deeper_draft_that_computes_the_same(dataset, 
     (["--init", "/nonexistent-draft"], 1, "--init /nonexistent-draft: no draft checkpoint there (config.json)"),
     (["--eval-only", "--eval-engines", "bogus"], 2, "--eval-engines takes runtime, native, published; got 'bogus'"),
     (["--eval-only"], 1, "no checkpoint in"),
+    (["--eval-only", "--extra-data", "/nonexistent-set"], 1, "/nonexistent-set: not a dataset (no manifest.json)"),
     (["--target-layer-ids", "1,99"], 2, "target layer 99 is outside the target's 4 layers"),
     (["--distill", "1.5"], 2, "--distill is a weight between 0 and 1, got 1.5"),
     (["--gamma", "-1"], 2, "--gamma must be positive (0: the published value), got -1.0"),
@@ -411,7 +412,10 @@ def test_model_card_says_how_each_stage_was_trained(tmp_path):
     from safetensors.torch import save_file
 
     save_file({"fc.weight": torch.zeros(64, 128)}, str(ckpt / "model.safetensors"))
-    old = {"command": "dflash-llama train A", "steps": 10, "config": {"batch": 8, "anchors": 32, "lr": 6e-4}}
+    recorded = {"source": "code_prompts(seed=0)[0:10]", "target": "t.gguf", "max_new_tokens": 128, "sequences": 10,
+                "response_tokens": 70, "tokens": 150}
+    old = {"command": "dflash-llama train A", "steps": 10, "config": {"batch": 8, "anchors": 32, "lr": 6e-4},
+           "datasets": [{"name": "gone", **recorded}, {"name": "data", **recorded}]}
     new = {"command": "dflash-llama train B", "steps": 5, "init": old,
            "config": {"batch": 8, "anchors": 32, "lr": 3e-4, "gamma": 1.5, "bf16": False, "heldout_measure": "replay"}}
     (ckpt / "train_log.json").write_text(json.dumps(new))
@@ -424,3 +428,6 @@ def test_model_card_says_how_each_stage_was_trained(tmp_path):
     assert "(f32)" in stage2 and "held-out replayed tau" in stage2
     assert "position weights exp(-(k-1)/1.5) (`--gamma 1.5`)" in stage2
     assert "followed by a docstring it sampled too" in card and "each prompt opening a docstring" not in card
+    # an earlier stage's dataset, gone from disk, is shown from its record; one given is read anew
+    assert "| gone | `code_prompts(seed=0)[0:10]` | 10 | 70 |\n| data | `self_prompts(" in card
+    assert "| all | | 14 | 130 (250 with prompts) |" in card and "up to 128 or 192 tokens each" in card
