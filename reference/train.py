@@ -245,7 +245,8 @@ def greedy_accepted(draft: DFlashDraft, feats: torch.Tensor, tokens: torch.Tenso
 
 @torch.no_grad()
 def teacher_forced_tau(draft: DFlashDraft, batches: list[Batch]) -> float:
-    """Mean 1 + accepted length of greedy drafts against the true continuation (full vocabulary)."""
+    """Mean 1 + accepted length of greedy drafts against the true continuation (full vocabulary), at
+    the batches' random anchors: the held-out measure of the default draft's stages 1 to 5."""
     total, n = 0.0, 0
     for b in batches:
         accepted = greedy_accepted(draft, b.feats, b.tokens, b.anchors, b.targets)

@@ -174,7 +174,8 @@ def main(args: argparse.Namespace) -> int:
     cfg = TrainConfig(target_layer_ids=layer_ids, layers=args.layers, block_size=args.block_size,
                       mask_token_id=args.mask_token_id, ffn=args.ffn, epochs=args.epochs, lr=args.lr,
                       batch=args.batch, anchors=args.anchors, gamma=args.gamma, vocab_subset=args.vocab_subset,
-                      distill=args.distill, eval_every=args.eval_every, seed=args.seed, bf16=cpu_has_bf16())
+                      distill=args.distill, eval_every=args.eval_every, seed=args.seed,
+                      bf16=cpu_has_bf16())  # resolved here so that train_log.json records it
     log = train([data, *args.extra_data], target, args.out, cfg, threads=args.threads, init=args.init)
     summary = {"steps": log.steps[-1] if log.steps else 0, "final_loss": log.loss[-1] if log.loss else None,
                "heldout_tau": log.heldout_tau[-1][1] if log.heldout_tau else None, "wall_s": round(log.wall_s, 1)}

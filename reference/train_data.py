@@ -26,6 +26,7 @@ import os
 import random
 import sysconfig
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -184,7 +185,7 @@ def self_prompts(runtime, n: int, seed: int = 0, temperature: float = 0.8, top_p
     signatures = _signatures(runtime, seed, batch, 64 * max(n, 1) + batch, temperature, top_p)
     bar = tqdm(total=n, disable=not progress, desc="target-written prompts", unit="prompt")
     while len(prompts) < n:
-        opened = [f'{SELF_OPENER}{line}\n    """' for line in _take(signatures, batch)]
+        opened = [f'{SELF_OPENER}{line}\n    """' for line in islice(signatures, batch)]
         if not opened:
             break
         if style == "humaneval":
@@ -198,15 +199,6 @@ def self_prompts(runtime, n: int, seed: int = 0, temperature: float = 0.8, top_p
         raise ValueError(f"the target wrote {len(prompts)} distinct function signatures, not {n}: "
                          f"ask for fewer prompts or use --prompt-source code")
     return prompts
-
-
-def _take(iterator, k: int) -> list:
-    out = []
-    for item in iterator:
-        out.append(item)
-        if len(out) == k:
-            break
-    return out
 
 
 DOCSTRING_QUOTES = '"""'
