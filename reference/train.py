@@ -244,25 +244,13 @@ def greedy_accepted(draft: DFlashDraft, feats: torch.Tensor, tokens: torch.Tenso
 
 
 @torch.no_grad()
-def teacher_forced_tau(draft: DFlashDraft, batches: list[Batch]) -> float:
-    """Mean 1 + accepted length of greedy drafts against the true continuation (full vocabulary), at
-    the batches' random anchors: the held-out measure of the default draft's stages 1 to 5."""
-    total, n = 0.0, 0
-    for b in batches:
-        accepted = greedy_accepted(draft, b.feats, b.tokens, b.anchors, b.targets)
-        total += float((1 + accepted).sum())
-        n += len(accepted)
-    return total / max(n, 1)
-
-
-@torch.no_grad()
 def replay_tau(draft: DFlashDraft, sequences, chunk: int = 64) -> tuple[float, int]:
     """tau of the speculative loop replayed on stored greedy target outputs: (tau, verify steps).
 
     The first block is anchored on the first response token (the prefill's), each next block right
     after the last accepted token plus the target's own, as real greedy decoding anchors them: the
-    tokens it would produce are the stored response, so no target runs. Unlike teacher_forced_tau's
-    random anchors, blocks start where the previous one failed. tau = response tokens after the
+    tokens it would produce are the stored response, so no target runs. Unlike a mean over random
+    anchors (the held-out measure of stages 1 to 5), blocks start where the previous one failed. tau = response tokens after the
     first / verify steps, as the evaluation counts it.
     """
     B = draft.config.block_size
