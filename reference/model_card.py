@@ -73,7 +73,7 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
         what = "from random weights" if i == 0 else "then, starting from that checkpoint (`--init`)"
         lines += [f"{i + 1}. {what}: `{st.get('command', '?')}`",
                   f"   - {st.get('steps')} optimizer steps of {c.get('batch', '?')} sequences x {c.get('anchors', '?')} "
-                  f"anchor blocks, {st.get('wall_s', 0) / 60:.0f} min wall time on 2 CPU cores{_autocast(c)}; "
+                  f"anchor blocks, {st.get('wall_s', 0) / 60:.0f} min wall time{_threads(st)}{_autocast(c)}; "
                   f"AdamW lr {c.get('lr', '?')} with {100 * c.get('warmup', 0):.0f}% warmup and cosine decay, "
                   f"loss over the {c.get('vocab_subset', '?')} most frequent response tokens plus each batch's "
                   f"targets{_distill(c)}{_gamma(c)}; final loss {st.get('final_loss') or float('nan'):.3f}, held-out "
@@ -85,10 +85,10 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
         lines += ["", "## Measured", "", f"Greedy, block {ev['block_size']}, {ev['n_predict']} new tokens per "
                   "HumanEval prompt (`dflash-llama train --eval-only`):", "",
                   "| engine | prompts | tau | acceptance rate | exact |", "|---|---:|---:|---:|---|"]
-        for s in ev["scores"]:
-            exact = "" if s["exact"] is None else ("yes" if s["exact"] else "NO")
-            tau = f"{s['tau']:.3f}" if s["steps"] else "n/a"
-            lines.append(f"| {s['engine']} | {s['prompts']} | {tau} | {s['acceptance_rate']:.3f} | {exact} |")
+        for s in map(_score, ev["scores"]):
+            exact = "" if s.exact is None else ("yes" if s.exact else "NO")
+            tau = f"{s.tau:.3f}" if s.steps else "n/a"
+            lines.append(f"| {s.engine} | {s.prompts} | {tau} | {s.acceptance_rate:.3f} | {exact} |")
         lines += ["", "tau: tokens produced per target verify; acceptance rate: accepted / drafted tokens. "
                   "\"exact\": every speculative output equal to the target's own greedy output."]
     out = ckpt / "README.md"
@@ -129,6 +129,25 @@ def _self_written(datasets: list[dict]) -> str:
                      "examples) and closed, so the prompt ends where a HumanEval prompt ends")
     return (", and exercises the target wrote itself (`self_prompts`: function signatures it sampled, "
             + ", ".join(kinds) + ")")
+
+
+def _threads(stage: dict) -> str:
+    """ "at N threads", from the stage's command (`-t N` / `--threads N`); "" when it did not say."""
+    words = stage.get("command", "").split()
+    for flag, value in zip(words, words[1:]):
+        if flag in ("-t", "--threads") and value.isdigit():
+            return f" at {value} thread{'s' if value != '1' else ''}"
+    return ""
+
+
+def _score(recorded: dict):
+    """An eval.json score as a train_eval.EngineScore: tau and acceptance from the counts, not the rounded
+    values stored beside them (which a second rounding could move by one in the last digit)."""
+    from dataclasses import fields
+
+    from .train_eval import EngineScore
+
+    return EngineScore(**{f.name: recorded[f.name] for f in fields(EngineScore) if f.name in recorded})
 
 
 def _heldout_measure(c: dict) -> str:

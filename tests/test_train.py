@@ -416,9 +416,15 @@ def test_model_card_says_how_each_stage_was_trained(tmp_path):
                 "response_tokens": 70, "tokens": 150}
     old = {"command": "dflash-llama train A", "steps": 10, "config": {"batch": 8, "anchors": 32, "lr": 6e-4},
            "datasets": [{"name": "gone", **recorded}, {"name": "data", **recorded}]}
-    new = {"command": "dflash-llama train B", "steps": 5, "init": old,
+    new = {"command": "dflash-llama train B -t 1", "steps": 5, "init": old,
            "config": {"batch": 8, "anchors": 32, "lr": 3e-4, "gamma": 1.5, "bf16": False, "heldout_measure": "replay"}}
     (ckpt / "train_log.json").write_text(json.dumps(new))
+    # tau from the counts: (16451 - 164) / 8295 = 1.96347, though its stored rounding 1.9635 would print 1.964
+    (ckpt / "eval.json").write_text(json.dumps({"block_size": 8, "n_predict": 128, "scores": [
+        {"engine": "dflash-llama runtime", "prompts": 164, "tokens": 16451, "steps": 8295, "drafted": 57116,
+         "accepted": 8088, "seconds": 1.0, "exact": True, "note": "", "tau": 1.9635, "acceptance_rate": 0.1416},
+        {"engine": "llama.cpp", "prompts": 164, "tokens": 16655, "steps": 0, "drafted": 58171, "accepted": 8212,
+         "seconds": 1.0, "exact": None, "note": "", "tau": 0.0, "acceptance_rate": 0.1412}]}))
     (data / "manifest.json").write_text(json.dumps({
         "target": "t.gguf", "layer_ids": LAYERS, "max_new_tokens": 192, "prompts_done": 4, "shards": [],
         "n_tokens": 100, "n_response_tokens": 60, "source": "self_prompts(seed=0, style='humaneval')[0:4]"}))
@@ -426,6 +432,8 @@ def test_model_card_says_how_each_stage_was_trained(tmp_path):
     stage1, stage2 = card.split("1. from random weights")[1].split("2. then")
     assert "(bf16 autocast)" in stage1 and "held-out teacher-forced tau" in stage1 and "--gamma" not in stage1
     assert "(f32)" in stage2 and "held-out replayed tau" in stage2
+    assert "min wall time (bf16" in stage1 and "min wall time at 1 thread (f32)" in stage2
+    assert "| dflash-llama runtime | 164 | 1.963 | 0.142 | yes |\n| llama.cpp | 164 | n/a | 0.141 |  |" in card
     assert "position weights exp(-(k-1)/1.5) (`--gamma 1.5`)" in stage2
     assert "followed by a docstring it sampled too" in card and "each prompt opening a docstring" not in card
     # an earlier stage's dataset, gone from disk, is shown from its record; one given is read anew
