@@ -250,8 +250,8 @@ def replay_tau(draft: DFlashDraft, sequences, chunk: int = 64) -> tuple[float, i
     The first block is anchored on the first response token (the prefill's), each next block right
     after the last accepted token plus the target's own, as real greedy decoding anchors them: the
     tokens it would produce are the stored response, so no target runs. Unlike a mean over random
-    anchors (the held-out measure of stages 1 to 5), blocks start where the previous one failed. tau = response tokens after the
-    first / verify steps, as the evaluation counts it.
+    anchors (the held-out measure of stages 1 to 5), blocks start where the previous one failed.
+    tau = response tokens after the first / verify steps, as the evaluation counts it.
     """
     B = draft.config.block_size
     steps = produced = 0
