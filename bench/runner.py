@@ -27,8 +27,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import cost_model, peers
-from .prompts import Prompt
+from dflash_llama import peers
+from dflash_llama.prompts import Prompt
+
+from . import cost_model
 
 SCHEMA = "dflash-llama-bench/1"
 REPORT_S = 20.0  # plots and report writing, reserved in the time budget
@@ -327,7 +329,7 @@ class Bench:
 
         s = self.s
         done = [p for p in s.prompts if p.id in reference_texts]
-        from .prompts import spread
+        from dflash_llama.prompts import spread
 
         prompts = [(p.id, p.text) for p in spread(done, s.server_prompts)]
         levels = []

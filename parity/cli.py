@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _prompts(args):
-    from dflash_llama.bench import prompts
+    from dflash_llama import prompts
 
     if args.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")

@@ -44,7 +44,7 @@ def _traces(target, gguf, hf, block_len=None):
 
     import dflash_llama
     from dflash_llama.reference.checkpoint import load_draft
-    from dflash_llama.reference.train import target_weights_from_gguf
+    from dflash_llama.reference.gguf_tensors import target_weights_from_gguf
 
     from .graph import reference_trace
     from .native import NativeDraft

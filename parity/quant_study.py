@@ -29,7 +29,7 @@ def run_study(target: Path, draft_hf: Path, work: Path, prompts: list, n_predict
     from dflash_llama.converter import convert
     from dflash_llama.reference import generate_speculative
     from dflash_llama.reference.checkpoint import load_draft
-    from dflash_llama.reference.train import target_weights_from_gguf
+    from dflash_llama.reference.gguf_tensors import target_weights_from_gguf
 
     from . import bounds as B
     from .native import NativeDraft, speculative_simple

@@ -96,9 +96,9 @@ def stage_converter(cfg: ParityConfig) -> dict:
     import gguf
     import gguf.quants
 
-    from dflash_llama.reference.checkpoint import _read_gguf, load_draft
+    from dflash_llama.reference.checkpoint import load_draft, read_draft_gguf
 
-    _, gguf_tensors, own = _read_gguf(Path(cfg.draft))
+    _, gguf_tensors, own = read_draft_gguf(Path(cfg.draft))
     hf = {n: p.detach().float().numpy() for n, p in load_draft(cfg.draft_hf).named_parameters()}
     types = _types(Path(cfg.draft))
     rows = []
@@ -455,7 +455,7 @@ def run_parity(cfg: ParityConfig, progress_bar: bool = True) -> dict:
     import dflash_llama
     from dflash_llama import Runtime
     from dflash_llama.reference.checkpoint import draft_config_from_hf, _hf_config, load_draft
-    from dflash_llama.reference.train import target_weights_from_gguf
+    from dflash_llama.reference.gguf_tensors import target_weights_from_gguf
 
     from .native import NativeDraft
 

@@ -15,6 +15,7 @@ import torch
 
 from dflash_llama.converter import gguf_layout as L
 
+from .gguf_tensors import read_tensor
 from .model import (FULL_ATTENTION, SLIDING_ATTENTION, DFlashDraft, DraftConfig, default_target_layer_ids,
                     interleaved_to_halves)
 
@@ -43,7 +44,7 @@ def load_draft(path: str | os.PathLike, embed_tokens: torch.Tensor | None = None
         interleaved = raw.get("rope_is_neox_style", True) is False
         tensors, own = _check_hf_tensors(path, cfg, _read_safetensors(path), interleaved), {}
     else:
-        cfg, tensors, own = _read_gguf(path)
+        cfg, tensors, own = read_draft_gguf(path)
 
     draft = DFlashDraft(cfg)
     with torch.no_grad():
@@ -216,7 +217,7 @@ def _check_hf_tensors(path, cfg, tensors, interleaved: bool) -> dict:
 
 # ---------------------------------------------------------------- GGUF
 
-def _read_gguf(path: Path) -> tuple[DraftConfig, dict, dict]:
+def read_draft_gguf(path: Path) -> tuple[DraftConfig, dict, dict]:
     """Config, published-name tensors (f32) and any own embedding / head from a DFlash GGUF."""
     from dflash_llama import gguf_info
 
@@ -236,32 +237,13 @@ def _read_gguf(path: Path) -> tuple[DraftConfig, dict, dict]:
         hit = L.hf_tensor_name(t.name)  # the layout table shared with the converter
         if hit is None:
             raise ValueError(f"{path}: unexpected tensor {t.name!r} in a DFlash 1 draft")
-        value = _gguf_tensor(path, info.data_offset, t)
+        value = read_tensor(path, info.data_offset, t)
         if hit[0] in ("embed_tokens.weight", "lm_head.weight"):  # optional own embedding / head
             own["embed" if hit[0] == "embed_tokens.weight" else "head"] = value
         else:
             tensors[hit[0]] = value
     _check_shapes(path, cfg, tensors)
     return cfg, tensors, own
-
-
-def _gguf_tensor(path: Path, data_offset: int, t) -> torch.Tensor:
-    """One tensor, dequantised by gguf-py to f32, in torch order (ggml shape reversed)."""
-    import gguf
-    import numpy as np
-
-    try:
-        qtype = gguf.GGMLQuantizationType[t.type.upper()]
-    except KeyError as e:
-        raise ValueError(f"{path}: tensor {t.name} has type {t.type}, unknown to gguf-py") from e
-    rows = int(np.prod(t.shape[1:], dtype=np.int64))
-    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=data_offset + t.offset,
-                    shape=(t.nbytes,)).reshape(*reversed(t.shape[1:]), t.nbytes // max(rows, 1))
-    try:
-        data = gguf.quants.dequantize(raw, qtype)
-    except NotImplementedError as e:
-        raise ValueError(f"{path}: tensor {t.name}: gguf-py cannot dequantise {t.type}") from e
-    return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(tuple(reversed(t.shape)))
 
 
 def draft_config_from_gguf(kv: dict, source: str = "draft.gguf") -> DraftConfig:

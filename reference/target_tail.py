@@ -51,14 +51,14 @@ class TargetTail:
     def __init__(self, path: str | os.PathLike, first: int, lm_head: torch.Tensor):
         from dflash_llama import gguf_info
 
-        from .checkpoint import _gguf_tensor
+        from .gguf_tensors import read_tensor
 
         info = gguf_info(path)
         if info.architecture not in ARCHS:
             raise ValueError(f"{path}: distillation runs the target's last layers in PyTorch, which is "
                              f"implemented for {', '.join(ARCHS)} targets, not {info.architecture}")
         permuted = info.architecture == "llama"
-        get = lambda name: _gguf_tensor(Path(path), info.data_offset, info.tensor(name))  # noqa: E731
+        get = lambda name: read_tensor(Path(path), info.data_offset, info.tensor(name))  # noqa: E731
         self.n_layers = int(info.block_count)
         if not 0 < first <= self.n_layers:
             raise ValueError(f"no target layers after layer {first - 1} of {self.n_layers}")

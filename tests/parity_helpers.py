@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_llama import fixtures
-from dflash_llama.bench.prompts import Prompt
+from dflash_llama.prompts import Prompt
 from dflash_llama.converter import convert
 
 PROMPTS = [Prompt("fib", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dflash_llama.bench import peers, prompts
+from dflash_llama import peers, prompts
 from dflash_llama.bench.runner import text_matches
 
 COMPLETION_STDERR = """\

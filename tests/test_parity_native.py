@@ -11,7 +11,7 @@ from dflash_llama import fixtures
 from dflash_llama.parity.graph import graph_order, reference_trace, rel_err
 from dflash_llama.parity.native import NativeDraft, speculative_simple
 from dflash_llama.reference.checkpoint import load_draft
-from dflash_llama.reference.train import target_weights_from_gguf
+from dflash_llama.reference.gguf_tensors import target_weights_from_gguf
 
 from parity_helpers import PROMPTS, tiny_draft
 

@@ -11,7 +11,7 @@ import torch
 import dflash_llama
 from dflash_llama.converter import convert
 from dflash_llama.reference.checkpoint import load_draft
-from dflash_llama.reference.train import target_weights_from_gguf
+from dflash_llama.reference.gguf_tensors import target_weights_from_gguf
 
 BOUND = {"f32": 1e-4, "f16": 1e-2, "bf16": 1e-2}
 

@@ -13,16 +13,16 @@ import torch
 import dflash_llama
 from dflash_llama.converter import convert
 from dflash_llama.reference.checkpoint import load_draft
-from dflash_llama.reference.train import (TrainConfig, block_hidden, make_batch, position_weights, replay_anchors,
+from dflash_llama.train.trainer import (TrainConfig, block_hidden, make_batch, position_weights, replay_anchors,
                                           replay_tau, target_weights_from_gguf, train)
-from dflash_llama.reference.train_data import (SELF_OPENER, DatasetSpec, _humaneval_docstring, build_dataset,
+from dflash_llama.train.data import (SELF_OPENER, DatasetSpec, _humaneval_docstring, build_dataset,
                                                 code_prompts, iter_sequences, self_prompts, signature_line)
 
 LAYERS = [1, 3]
 
 
 def test_prompts_are_humaneval_shaped_and_exclude_humaneval():
-    from dflash_llama.bench.prompts import humaneval
+    from dflash_llama.prompts import humaneval
 
     prompts = code_prompts(limit=300, seed=3)
     assert len(prompts) == 300
@@ -107,7 +107,7 @@ class _DocstringRuntime:
 
 
 def test_close_docstrings_closes_each_and_adds_examples_to_every_second():
-    from dflash_llama.reference.train_data import close_docstrings
+    from dflash_llama.train.data import close_docstrings
 
     docs = {"add": 'Add two numbers."""', "rev": 'Reverse s.\n    """', "bad": 'Ünïcode."""', "odd": "Is n odd?"}
     examples = {"rev": "'ab')\n    'ba'\n    \"\"\" text after the quotes", "odd": "3)\n    True"}
@@ -282,7 +282,7 @@ def test_a_checkpoint_grows_into_a_deeper_draft_that_computes_the_same(dataset, 
     with torch.no_grad():
         assert torch.equal(block_hidden(small, b.feats, b.tokens, b.anchors),
                            block_hidden(grown, b.feats, b.tokens, b.anchors))
-    from dflash_llama.reference.model_card import write_model_card
+    from dflash_llama.train.model_card import write_model_card
 
     card = write_model_card(grown_dir, [out_data]).read_text()
     assert card.startswith("# tiny-target-f32 DFlash draft (dflash-llama)\n")
@@ -339,7 +339,7 @@ def test_training_refuses_a_dataset_of_other_target_layers(dataset, tiny_target_
 
 
 def test_an_evaluation_of_some_engines_keeps_the_other_scores(tmp_path):
-    from dflash_llama.reference.train_eval import DraftEvaluation, EngineScore, _keep_other_engines
+    from dflash_llama.train.eval import DraftEvaluation, EngineScore, _keep_other_engines
 
     def score(engine, prompts, accepted):
         return EngineScore(engine, prompts, tokens=10 * prompts, steps=5 * prompts, drafted=35 * prompts,
@@ -374,7 +374,7 @@ def test_target_tail_gives_back_the_targets_greedy_tokens(dataset, tiny_target_g
 
 def test_distillation_mixes_kl_to_the_target_into_the_loss(dataset, small_draft, tiny_target_gguf):
     from dflash_llama.reference.target_tail import TargetTail
-    from dflash_llama.reference.train import attach_teacher, batch_loss
+    from dflash_llama.train.trainer import attach_teacher, batch_loss
 
     out_data, _, _ = dataset
     first, cfg = small_draft
@@ -400,7 +400,7 @@ def test_distillation_mixes_kl_to_the_target_into_the_loss(dataset, small_draft,
 
 
 def test_model_card_says_how_each_stage_was_trained(tmp_path):
-    from dflash_llama.reference.model_card import write_model_card
+    from dflash_llama.train.model_card import write_model_card
 
     ckpt, data = tmp_path / "draft", tmp_path / "data"
     ckpt.mkdir()

@@ -16,7 +16,7 @@ SUBCOMMANDS = {
     "generate": ("dflash_llama.generate_cli", "generate text with DFlash speculative decoding"),
     "parity": ("dflash_llama.parity.cli", "compare reference, runtime and llama.cpp layer by layer"),
     "bench": ("dflash_llama.bench.cli", "measure acceptance and speed against baselines"),
-    "train": ("dflash_llama.reference.train_cli", "train a small DFlash draft for a target"),
+    "train": ("dflash_llama.train.cli", "train a small DFlash draft for a target"),
     "run": ("dflash_llama.run_cli", "the main job: speculative decoding on the embedded default pair"),
 }
 

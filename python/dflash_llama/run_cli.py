@@ -16,40 +16,14 @@ import time
 from pathlib import Path
 
 from .bench.cost_model import parse_draft_max, resolve_draft_max
+from .converter.pair import DEFAULT_DRAFT, draft_gguf
 
-DEFAULT_DRAFT = Path(__file__).resolve().parent / "data" / "smollm2-135m-dflash"
 DEFAULT_PROMPT = '''def running_median(values: list[float]) -> list[float]:
     """Return the median of the first i + 1 values for every i.
     >>> running_median([1.0, 3.0, 2.0])
     [1.0, 2.0, 2.0]
     """
 '''
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "dflash-llama"
-
-
-def draft_gguf(draft: Path, target: Path, outtype: str = "f16") -> Path:
-    """A GGUF for `draft`: itself if it is one, else a conversion cached by content hash."""
-    if draft.is_file():
-        return draft
-    if not (draft / "config.json").exists():
-        raise FileNotFoundError(
-            f"no DFlash draft at {draft}: the default draft ships with the package "
-            "(python/dflash_llama/data/); train one with `dflash-llama train` and pass --draft DIR")
-    from .converter import convert
-
-    h = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
-        h.update((draft / name).read_bytes())
-    h.update(str(target.resolve()).encode())
-    out = cache_dir() / f"{draft.name}-{h.hexdigest()[:12]}-{outtype}.gguf"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        convert(draft, target, out, outtype=outtype)
-    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

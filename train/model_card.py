@@ -57,12 +57,12 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
         "Code-completion prompts (a signature and a docstring, HumanEval-shaped) cut from documented "
         "public functions of the Python sources a fresh machine has"
         + _self_written(datasets)
-        + " (`reference/train_data.py`); "
+        + " (`train/data.py`); "
         "HumanEval itself is held out for evaluation and never read. The target's own greedy "
         f"responses (up to {' or '.join(map(str, lengths))} tokens each, through our C++ runtime), its features at the draft's target "
         "layers captured once and stored as f16.",
         "",
-        "| dataset | prompts (`dflash_llama.reference.train_data`) | sequences | response tokens |",
+        "| dataset | prompts (`dflash_llama.train.data`) | sequences | response tokens |",
         "|---|---|---:|---:|",
     ]
     for d in datasets:
@@ -80,7 +80,7 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
                   f"{_heldout_measure(c)} tau (greedy, full vocabulary) {st.get('heldout_tau') or float('nan'):.3f}"] + ([f"   - {st['note']}"] if st.get("note") else [])
     if stages:
         lines += ["", "Recipe: random anchors in the responses, per-block attention masks, position weights "
-                  "exp(-(k-1)/gamma), the target's embeddings and head frozen (`reference/train.py`)."]
+                  "exp(-(k-1)/gamma), the target's embeddings and head frozen (`train/trainer.py`)."]
     if ev:
         lines += ["", "## Measured", "", f"Greedy, block {ev['block_size']}, {ev['n_predict']} new tokens per "
                   "HumanEval prompt (`dflash-llama train --eval-only`):", "",
@@ -145,7 +145,7 @@ def _score(recorded: dict):
     values stored beside them (which a second rounding could move by one in the last digit)."""
     from dataclasses import fields
 
-    from .train_eval import EngineScore
+    from .eval import EngineScore
 
     return EngineScore(**{f.name: recorded[f.name] for f in fields(EngineScore) if f.name in recorded})
 

@@ -81,9 +81,9 @@ def main(args: argparse.Namespace) -> int:
     import dflash_llama
     from dflash_llama.runtime import Runtime
 
-    from .model import default_target_layer_ids
-    from .train import TrainConfig, cpu_has_bf16, train
-    from .train_data import DatasetSpec, build_dataset, code_prompts
+    from dflash_llama.reference.model import default_target_layer_ids
+    from .trainer import TrainConfig, cpu_has_bf16, train
+    from .data import DatasetSpec, build_dataset, code_prompts
 
     target = Path(args.target)
     if target.is_dir():
@@ -197,7 +197,7 @@ def _target_written_prompts(target: Path, data: Path, args: argparse.Namespace) 
     would cost minutes; the file also shows what the dataset was built from)."""
     from dflash_llama.runtime import Runtime
 
-    from .train_data import self_prompts
+    from .data import self_prompts
 
     saved = data / "prompts.json"
     want = args.prompt_offset + args.prompts
@@ -229,7 +229,7 @@ def _other_prompts(data: Path, source: str) -> str | None:
 
 
 def _evaluate(args: argparse.Namespace, target: Path) -> int:
-    from .train_eval import evaluate
+    from .eval import evaluate
 
     # the model card's datasets: those named, else OUT/data where training built it; train_log.json
     # records the datasets of every stage, so none is needed for a checkpoint trained by this command

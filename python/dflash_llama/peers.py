@@ -25,7 +25,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dflash_llama import paths
+from . import paths
 
 # the spec types of the pinned common/speculative.cpp that need no draft model
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")

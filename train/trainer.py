@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from .model import DFlashDraft, DraftConfig, apply_rope, rope_cos_sin
+from dflash_llama.reference.gguf_tensors import TargetWeights, target_weights_from_gguf
+from dflash_llama.reference.model import DFlashDraft, DraftConfig, apply_rope, rope_cos_sin
 
 
 @dataclass
@@ -63,39 +64,6 @@ class TrainConfig:
         if self.gamma > 0:
             return self.gamma
         return {16: 7.0, 8: 4.0}.get(self.block_size, self.block_size / 2)
-
-
-@dataclass
-class TargetWeights:
-    embed_tokens: torch.Tensor  # [V, H]
-    lm_head: torch.Tensor  # [V, H]
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn: int
-    rope_theta: float
-    rms_eps: float
-
-
-def target_weights_from_gguf(path: str | os.PathLike) -> TargetWeights:
-    """The frozen pieces of a GGUF target the draft uses, dequantised to f32."""
-    from dflash_llama import gguf_info
-
-    from .checkpoint import _gguf_tensor
-
-    info = gguf_info(path)
-    embed = _gguf_tensor(Path(path), info.data_offset, info.tensor("token_embd.weight"))
-    names = {t.name for t in info.tensors}
-    head = (_gguf_tensor(Path(path), info.data_offset, info.tensor("output.weight"))
-            if "output.weight" in names else embed)
-    n_embd, n_head = int(info.get("embedding_length")), int(info.get("attention.head_count"))
-    return TargetWeights(
-        embed_tokens=embed, lm_head=head, n_layers=int(info.block_count), n_heads=n_head,
-        n_kv_heads=int(info.get("attention.head_count_kv", n_head)),
-        head_dim=int(info.get("attention.key_length", n_embd // n_head)),
-        ffn=int(info.get("feed_forward_length")), rope_theta=float(info.get("rope.freq_base", 10000.0)),
-        rms_eps=float(info.get("attention.layer_norm_rms_epsilon", 1e-6)))
 
 
 def draft_config(cfg: TrainConfig, t: TargetWeights) -> DraftConfig:
@@ -341,7 +309,7 @@ def _load_init(draft: DFlashDraft, init: str | os.PathLike, t: TargetWeights) ->
     layer with its output projections (o_proj, down_proj) zeroed, so it adds nothing to the residual
     stream and the grown draft computes exactly what the checkpoint computed until training moves it.
     """
-    from .checkpoint import load_draft
+    from dflash_llama.reference.checkpoint import load_draft
 
     start = load_draft(init, t.embed_tokens, t.lm_head)
     mine, theirs = draft.config, start.config
@@ -372,7 +340,7 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
     """
     from tqdm import tqdm
 
-    from .train_data import iter_sequences
+    from .data import iter_sequences
 
     if threads:
         torch.set_num_threads(threads)
@@ -430,7 +398,7 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
     bf16 = cpu_has_bf16() if cfg.bf16 is None else cfg.bf16
     tail, tap = None, None
     if cfg.distill > 0:
-        from .target_tail import TargetTail
+        from dflash_llama.reference.target_tail import TargetTail
 
         deepest = max(cfg.target_layer_ids)
         tail = TargetTail(target_gguf, deepest + 1, t.lm_head)

@@ -65,7 +65,7 @@ class DraftEvaluation:
 
 
 def humaneval_prompts() -> list[str]:
-    from dflash_llama.bench.prompts import humaneval
+    from dflash_llama.prompts import humaneval
 
     return [p.text for p in humaneval()]
 
@@ -99,7 +99,7 @@ def score_native(target: Path, checkpoint: Path, prompts: list[str], n_predict: 
     from tqdm import tqdm
 
     from dflash_llama import fixtures
-    from dflash_llama.bench import peers
+    from dflash_llama import peers
 
     hf = work / "target-hf"
     if not (hf / "config.json").exists():
@@ -152,7 +152,7 @@ def score_published(target: Path, checkpoint: Path, prompts: list[str], n_predic
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from .target import Target
+    from dflash_llama.reference.target import Target
 
     target_model = Target.load(target).model
     tokenizer = AutoTokenizer.from_pretrained(target.parent, gguf_file=target.name)
@@ -184,7 +184,7 @@ def score_published(target: Path, checkpoint: Path, prompts: list[str], n_predic
 def evaluate(checkpoint: Path, target: Path, out: Path, *, n_prompts: int = 164, n_published: int = 40,
              n_predict: int = 128, block_size: int = 8, threads: int = 0, engines=("runtime", "native", "published"),
              progress: bool = True) -> DraftEvaluation:
-    from dflash_llama.run_cli import draft_gguf
+    from dflash_llama.converter.pair import draft_gguf
 
     prompts = humaneval_prompts()[:n_prompts]
     ev = DraftEvaluation(str(checkpoint), str(target), block_size, n_predict)
