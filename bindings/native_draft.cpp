@@ -6,55 +6,50 @@
 #include <nanobind/stl/vector.h>
 
 #include "engine.h"
+#include "glue.h"
 #include "native_draft.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
+namespace dflash_bindings {
+
 namespace {
 
-nb::ndarray<nb::numpy, float> owned_array(std::vector<float> && data, const std::vector<int64_t> & ne) {
-    auto * owned = new std::vector<float>(std::move(data));
-    nb::capsule owner(owned, [](void * p) noexcept { delete static_cast<std::vector<float> *>(p); });
-    std::vector<size_t> shape(ne.rbegin(), ne.rend());  // ggml ne order -> NumPy order
-    return nb::ndarray<nb::numpy, float>(owned->data(), shape.size(), shape.data(), owner);
+void native_draft_init(dflash::native_draft * self, dflash::engine & engine, const std::string & path, int32_t n_ctx,
+                       int32_t n_threads, bool kv_f32) {
+    dflash::native_draft_params p;
+    p.path = path;
+    p.n_ctx = n_ctx;
+    p.n_threads = n_threads;
+    p.kv_f32 = kv_f32;
+    nb::gil_scoped_release release;
+    new (self) dflash::native_draft(p, engine.target());
+}
+
+nb::dict native_draft_trace(dflash::native_draft & d, features_array features, const std::vector<int32_t> & block) {
+    std::vector<float> feats(features.data(), features.data() + features.size());
+    dflash::draft_trace trace;
+    {
+        nb::gil_scoped_release release;
+        trace = d.trace(feats, (int32_t) features.shape(0), block);
+    }
+    return trace_to_dict(std::move(trace));
 }
 
 } // namespace
 
 void bind_native_draft(nb::module_ & m) {
-    nb::class_<dflash::native_draft>(m, "NativeDraft")
-        .def("__init__", [](dflash::native_draft * self, dflash::engine & engine, const std::string & path,
-                            int32_t n_ctx, int32_t n_threads, bool kv_f32, bool encoder_pass) {
-                 dflash::native_draft_params p;
-                 p.path = path;
-                 p.n_ctx = n_ctx;
-                 p.n_threads = n_threads;
-                 p.kv_f32 = kv_f32;
-                 p.encoder_pass = encoder_pass;
-                 nb::gil_scoped_release release;
-                 new (self) dflash::native_draft(p, engine.target());
-             },
-             "engine"_a, "path"_a, "n_ctx"_a, "n_threads"_a, "kv_f32"_a, "encoder_pass"_a,
+    using dflash::native_draft;
+    nb::class_<native_draft>(m, "NativeDraft")
+        .def("__init__", &native_draft_init, "engine"_a, "path"_a, "n_ctx"_a, "n_threads"_a, "kv_f32"_a,
              nb::keep_alive<1, 2>())  // the engine's target context is the draft's ctx_other
-        .def_prop_ro("target_layers", &dflash::native_draft::target_layers)
-        .def_prop_ro("mask_token_id", &dflash::native_draft::mask_token_id)
-        .def_prop_ro("block_size", &dflash::native_draft::block_size)
-        .def_prop_ro("causal", &dflash::native_draft::causal)
-        .def_prop_ro("n_ctx", &dflash::native_draft::n_ctx)
-        .def("trace", [](dflash::native_draft & d, nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> features,
-                         const std::vector<int32_t> & block) {
-                 const int32_t n = (int32_t) features.shape(0);
-                 std::vector<float> feats(features.data(), features.data() + features.size());
-                 dflash::draft_trace trace;
-                 {
-                     nb::gil_scoped_release release;
-                     trace = d.trace(feats, n, block);
-                 }
-                 nb::dict out;
-                 for (auto & [name, t] : trace) {
-                     out[name.c_str()] = owned_array(std::move(t.data), t.shape);
-                 }
-                 return out;
-             }, "features"_a, "block"_a);
+        .def_prop_ro("target_layers", &native_draft::target_layers)
+        .def_prop_ro("mask_token_id", &native_draft::mask_token_id)
+        .def_prop_ro("block_size", &native_draft::block_size)
+        .def_prop_ro("causal", &native_draft::causal)
+        .def_prop_ro("n_ctx", &native_draft::n_ctx)
+        .def("trace", &native_draft_trace, "features"_a, "block"_a);
 }
+
+} // namespace dflash_bindings

@@ -36,7 +36,7 @@ class NativeDraft:
         self.path = Path(draft_gguf)
         self._runtime = runtime  # keeps the target context (ctx_other) alive
         self._draft = _core.NativeDraft(runtime._engine, os.fspath(draft_gguf), int(n_ctx),
-                                        int(n_threads), bool(kv_f32), True)
+                                        int(n_threads), bool(kv_f32))
 
     @property
     def target_layers(self) -> list[int]:

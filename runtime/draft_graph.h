@@ -12,7 +12,7 @@
 // The block's own K/V are never written to the cache (the published loop crops them away), so
 // cropping the cache after a rejection is only `crop(n)`. Token embeddings and the LM head are the
 // target's tensors, used in place. Every intermediate is named as in llama.cpp's `dflash` graph
-// (design.md's vocabulary) and can be read back with a trace.
+// (the vocabulary parity compares, docs/parity.md) and can be read back with a trace.
 #pragma once
 
 #include "draft_model.h"

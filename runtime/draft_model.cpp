@@ -117,7 +117,6 @@ draft_hparams read_hparams(const gguf_context * ctx, const std::string & path) {
         fail(path, "value_length or rope.dimension_count different from key_length is not supported yet");
     }
     hp.n_ff        = kv.u32("dflash.feed_forward_length");
-    hp.n_ctx_train = kv.u32_or("dflash.context_length", 0);
     hp.block_size  = kv.u32_or("dflash.block_size", 16);
     hp.rope_freq_base  = kv.f32_or("dflash.rope.freq_base", 10000.0f);
     const int64_t scaling_id = kv.find("dflash.rope.scaling.type");

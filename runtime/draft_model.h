@@ -23,7 +23,6 @@ struct draft_hparams {
     int32_t n_ff       = 0;
     int32_t n_vocab    = 0;   // tokens in the draft's tokenizer (must equal the target's)
     int32_t block_size = 0;
-    int32_t n_ctx_train = 0;
     float   rope_freq_base = 10000.0f;
     float   rope_freq_scale = 1.0f;         // linear RoPE scaling: 1 / dflash.rope.scaling.factor
     float   rms_eps        = 1e-6f;

@@ -16,7 +16,8 @@ namespace dflash {
 
 namespace {
 
-// The shared vocabulary of draft intermediates (design.md); "-N" suffixes are per layer.
+// The shared vocabulary of draft intermediates: llama.cpp's `dflash` graph names, which all three
+// parity implementations use (docs/parity.md); "-N" suffixes are per layer.
 const char * const kTracedNames[] = {
     "fc_out", "inp_g_embeddings", "Kcur_injected", "Vcur_injected", "inp_noise_embd", "noise_norm",
     "Qcur", "Kcur", "Vcur", "ffn_inp", "ffn_norm", "ffn_out", "l_out", "result_norm", "result_output",
@@ -156,9 +157,8 @@ native_draft::native_draft(const native_draft_params & params, target_runner & t
                                  (why.empty() ? std::string() : " (" + why + ")"));
     }
     llama_set_causal_attn(ctx_, causal_);  // as draft-dflash does: non-causal unless the GGUF says causal
-    n_ctx_        = std::min((int32_t) llama_n_ctx(ctx_), params.n_ctx);
-    n_ubatch_     = (int32_t) llama_n_ubatch(ctx_);
-    encoder_pass_ = params.encoder_pass;
+    n_ctx_    = std::min((int32_t) llama_n_ctx(ctx_), params.n_ctx);
+    n_ubatch_ = (int32_t) llama_n_ubatch(ctx_);
 }
 
 native_draft::~native_draft() {
@@ -236,13 +236,11 @@ draft_trace native_draft::trace(const std::vector<float> & features, int32_t n_c
     recording_ = &out;
     try {
         // the encoder graph: fc_out (draft-dflash never runs it; it holds the only fc_out)
-        if (encoder_pass_) {
-            encoding_ = true;
-            add_features(true);
-            run(LLAMA_PROCESS_TYPE_ENCODE, "encoder graph");
-            encoding_ = false;
-            llama_memory_clear(mem, true);
-        }
+        encoding_ = true;
+        add_features(true);
+        run(LLAMA_PROCESS_TYPE_ENCODE, "encoder graph");
+        encoding_ = false;
+        llama_memory_clear(mem, true);
         // 1. inject: the decoder graph on an embd batch writes the context K/V into the cache
         add_features(false);
         run(LLAMA_PROCESS_TYPE_DECODE, "feature injection");

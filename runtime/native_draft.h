@@ -29,7 +29,6 @@ struct native_draft_params {
     int32_t     n_ctx     = 512;   // positions of the draft context (features + block)
     int32_t     n_threads = 0;     // 0: the target context's
     bool        kv_f32    = true;  // f32 KV cache and no flash attention (parity); false: llama.cpp's defaults
-    bool        encoder_pass = true;  // also run the encoder graph, for `fc_out`
 };
 
 class native_draft {
@@ -62,7 +61,6 @@ private:
     int32_t              mask_token_id_ = -1;
     int32_t              block_size_    = 16;
     bool                 causal_        = false;
-    bool                 encoder_pass_  = true;
     int32_t              n_ctx_ = 0, n_ubatch_ = 0, n_embd_in_ = 0;
 
     draft_trace *        recording_ = nullptr;  // where on_eval stores tensors; null: record nothing

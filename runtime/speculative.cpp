@@ -55,11 +55,10 @@ int32_t choose(const float * logits, int32_t n_vocab, const sampling_params & sp
     return rng.draw(probs);
 }
 
-std::string stop_reason_for(int32_t length, int32_t max_length, bool stopped, const target_runner & target,
-                            const std::vector<int32_t> & prompt, const generate_params & params) {
+std::string stop_reason_for(int32_t length, int32_t max_length, bool stopped, const std::vector<int32_t> & prompt,
+                            const generate_params & params) {
     if (stopped) return "stop_token";
     if (length >= max_length && max_length < (int32_t) prompt.size() + params.max_new_tokens) return "context_full";
-    (void) target;
     return "max_tokens";
 }
 
@@ -201,7 +200,7 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
     }
 
     res.stats.n_generated = (int32_t) res.tokens.size();
-    res.stop_reason = stop_reason_for(start + 1, max_length, stopped, target, prompt, params);
+    res.stop_reason = stop_reason_for(start + 1, max_length, stopped, prompt, params);
     res.stats.t_total_ms = ms_since(t_start);
     res.stats.t_other_ms = res.stats.t_total_ms - res.stats.t_prefill_ms - res.stats.t_draft_ms - res.stats.t_verify_ms;
     return res;
@@ -242,7 +241,7 @@ generate_result generate_autoregressive(target_runner & target, const std::vecto
     }
 
     res.stats.n_generated = (int32_t) res.tokens.size();
-    res.stop_reason = stop_reason_for(pos + 1, max_length, stopped, target, prompt, params);
+    res.stop_reason = stop_reason_for(pos + 1, max_length, stopped, prompt, params);
     res.stats.t_total_ms = ms_since(t_start);
     res.stats.t_other_ms = res.stats.t_total_ms - res.stats.t_prefill_ms - res.stats.t_verify_ms;
     return res;
@@ -320,7 +319,7 @@ std::vector<generate_result> generate_autoregressive_batch(target_runner & targe
             const bool stopped = is_stop(next);
             if (stopped || length >= max_length[s.prompt]) {
                 res.stats.n_generated = (int32_t) res.tokens.size();
-                res.stop_reason = stop_reason_for(length, max_length[s.prompt], stopped, target, prompts[s.prompt], params);
+                res.stop_reason = stop_reason_for(length, max_length[s.prompt], stopped, prompts[s.prompt], params);
                 fill(s, k);
             }
         }

@@ -54,9 +54,9 @@ target_runner::target_runner(const target_params & params) {
     cparams.n_threads         = n_threads;
     cparams.n_threads_batch   = n_threads;
     cparams.no_perf           = true;
-    // flash attention is off unless asked for: on the CPU its result for a token depends on how many
-    // tokens share the batch once the cache passes 256 cells, so a verify would not reproduce decoding
-    cparams.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    // flash attention off: on the CPU its result for a token depends on how many tokens share the
+    // batch once the cache passes 256 cells, so a verify would not reproduce decoding bit for bit
+    cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
     if (params.kv_f32) {  // full precision for parity
         cparams.type_k = GGML_TYPE_F32;
         cparams.type_v = GGML_TYPE_F32;

@@ -1,5 +1,5 @@
-// The target: a GGUF model run by llama.cpp, one sequence, with the draft's features captured as
-// it decodes. Capture reads, through the context's eval callback, the output of each tapped layer
+// The target: a GGUF model run by llama.cpp, one sequence (or n_seq side by side, for batched
+// autoregressive generation), with the draft's features captured as it decodes. Capture reads, through the context's eval callback, the output of each tapped layer
 // (`l_out-L`, which is the input of layer L+1) and, for a tap on the last layer, `result_norm`:
 // the same tensors Hugging Face returns as hidden_states[L+1]. It works for every architecture
 // whose llama.cpp graph names its layer outputs `l_out-L`, and needs no change to llama.cpp.
@@ -20,7 +20,6 @@ struct target_params {
     int32_t n_threads    = 0;   // 0: all hardware threads
     int32_t n_gpu_layers = 0;
     bool    kv_f32       = false;  // f32 KV cache (parity runs); llama.cpp's default is f16
-    bool    flash_attn   = false;  // faster on GPUs; on the CPU it breaks bit-exact verification
     int32_t n_seq        = 1;      // sequences decoded side by side (batched generation); n_ctx is per sequence
 };
 
