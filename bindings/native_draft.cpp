@@ -17,12 +17,11 @@ namespace dflash_bindings {
 namespace {
 
 void native_draft_init(dflash::native_draft * self, dflash::engine & engine, const std::string & path, int32_t n_ctx,
-                       int32_t n_threads, bool kv_f32) {
+                       int32_t n_threads) {
     dflash::native_draft_params p;
     p.path = path;
     p.n_ctx = n_ctx;
     p.n_threads = n_threads;
-    p.kv_f32 = kv_f32;
     nb::gil_scoped_release release;
     new (self) dflash::native_draft(p, engine.target());
 }
@@ -42,7 +41,7 @@ nb::dict native_draft_trace(dflash::native_draft & d, features_array features, c
 void bind_native_draft(nb::module_ & m) {
     using dflash::native_draft;
     nb::class_<native_draft>(m, "NativeDraft")
-        .def("__init__", &native_draft_init, "engine"_a, "path"_a, "n_ctx"_a, "n_threads"_a, "kv_f32"_a,
+        .def("__init__", &native_draft_init, "engine"_a, "path"_a, "n_ctx"_a, "n_threads"_a,
              nb::keep_alive<1, 2>())  // the engine's target context is the draft's ctx_other
         .def_prop_ro("target_layers", &native_draft::target_layers)
         .def_prop_ro("mask_token_id", &native_draft::mask_token_id)

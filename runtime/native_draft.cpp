@@ -142,11 +142,10 @@ native_draft::native_draft(const native_draft_params & params, target_runner & t
     cparams.n_threads_batch = n_threads;
     cparams.no_perf         = true;
     cparams.ctx_other       = target.context();
-    if (params.kv_f32) {
-        cparams.type_k          = GGML_TYPE_F32;
-        cparams.type_v          = GGML_TYPE_F32;
-        cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
-    }
+    // f32 KV cache and no flash attention: parity compares full-precision graphs
+    cparams.type_k          = GGML_TYPE_F32;
+    cparams.type_v          = GGML_TYPE_F32;
+    cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cparams.cb_eval           = &native_draft::on_eval;
     cparams.cb_eval_user_data = this;
     ctx_ = llama_init_from_model(model_, cparams);

@@ -28,7 +28,6 @@ struct native_draft_params {
     std::string path;
     int32_t     n_ctx     = 512;   // positions of the draft context (features + block)
     int32_t     n_threads = 0;     // 0: the target context's
-    bool        kv_f32    = true;  // f32 KV cache and no flash attention (parity); false: llama.cpp's defaults
 };
 
 class native_draft {
