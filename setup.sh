@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up dflash-llama on a fresh machine, idempotently: a virtual environment in .venv, the
-# dependencies from PyPI, the pinned llama.cpp (fetched from its PyPI sdist, hash-checked), and an
-# editable build of the native runtime, CLI and peer tools (incremental after the first run).
+# dependencies of every extra from PyPI ('.[all,test]'), the pinned llama.cpp (fetched from its
+# PyPI sdist, hash-checked), and an editable build of the native runtime, CLI and peer tools
+# (incremental after the first run).
 #
 #   ./setup.sh          set up
 #   ./setup.sh --test   set up, then run the test suite
@@ -40,7 +41,7 @@ log=build/setup-build.log
 set +e
 # the build's own ninja counter as one updating line; the whole log kept for errors
 DFLASH_LLAMA_PEER_TOOLS=ON .venv/bin/python -m pip --disable-pip-version-check install -v \
-    --no-build-isolation -e '.[test]' 2>&1 | tee "$log" \
+    --no-build-isolation -e '.[all,test]' 2>&1 | tee "$log" \
     | grep --line-buffered -oE '^ *\[[0-9]+/[0-9]+\]' | awk '{ printf "\r  compiling %s", $1; fflush() }'
 rc=${PIPESTATUS[0]}
 set -e

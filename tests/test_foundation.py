@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +50,8 @@ def test_gguf_info_rejects_truncated_file(smollm2_gguf, tmp_path):
     p = tmp_path / "truncated.gguf"
     with open(smollm2_gguf, "rb") as src, open(p, "wb") as dst:
         dst.write(src.read(50_000_000))
-    with pytest.raises(ValueError, match=r"truncated\.gguf: truncated: tensor data needs \d+ bytes but the file has 50000000"):
+    with pytest.raises(ValueError,
+                       match=r"truncated\.gguf: truncated: tensor data needs \d+ bytes but the file has 50000000"):
         dflash_llama.gguf_info(p)
 
 
@@ -73,7 +73,7 @@ def test_fetch_refuses_a_tampered_hash(tmp_path):
     sdists = list(cache.glob("llama_cpp_python-*.tar.gz"))
     assert sdists, "the fetch step keeps the sdist in third_party/.cache"
     lock = (ROOT / "third_party" / "llama.cpp.lock").read_text()
-    good = next(l for l in lock.splitlines() if l.startswith("sha256")).split("=")[1].strip()
+    good = next(line for line in lock.splitlines() if line.startswith("sha256")).split("=")[1].strip()
     bad = ("0" if good[0] != "0" else "1") + good[1:]
     (tmp_path / "llama.cpp.lock").write_text(lock.replace(good, bad))
     (tmp_path / ".cache").symlink_to(cache)  # reuse the downloaded sdist: no network
@@ -89,6 +89,25 @@ def test_fetch_is_a_no_op_when_present():
     result = subprocess.run([sys.executable, str(FETCH)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "llama.cpp 0c1e570 at" in result.stdout
+
+
+def test_runtime_does_not_import_torch():
+    # the base install (numpy, gguf) runs the runtime; torch comes with the reference, train and parity extras
+    code = ("import sys, dflash_llama; dflash_llama.Runtime; dflash_llama.gguf_info\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_cli_help_does_not_import_torch():
+    # `dflash-llama --help` builds every subcommand's parser: their heavy imports wait for the work itself
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "dflash_llama.cli", "--help"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "convert" in result.stdout and "run" in result.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "dflash_llama.converter.cli" in imported  # the subcommands were imported
+    assert not imported & {"torch", "transformers", "matplotlib"}
 
 
 def test_cli_unknown_subcommand_argument_exits_2():

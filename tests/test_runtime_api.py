@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dflash_llama
-from dflash_llama import fixtures, paths
+from dflash_llama import paths
 from dflash_llama.converter import convert
 from dflash_llama.parity.gguf_edit import copy_gguf
 
@@ -81,6 +81,21 @@ def test_trace_draft_names_and_shapes(rt):
     # tracing does not change the answer: the traced logits pick the generation's first draft
     drafted = gen.steps[0].drafted
     assert [int(np.argmax(row)) for row in tr["result_output"][1:1 + len(drafted)]] == drafted
+
+
+def test_detokenize_against_the_vocabulary(rt, tiny_target_gguf):
+    # byte-level BPE: the vocabulary spells a space as "Ġ" and a newline as "Ċ"
+    vocab = dflash_llama.gguf_info(tiny_target_gguf).metadata["tokenizer.ggml.tokens"]
+    text = "def fibonacci(n):\n    return n"
+    ids = rt.tokenize(text, add_special=False)
+    assert rt.detokenize(ids) == "".join(vocab[i] for i in ids).replace("Ġ", " ").replace("Ċ", "\n") == text
+    # multi-byte text: the bytes of the whole list are the pieces' bytes, and decode back to the text
+    text = "naïve café: 日本語 → ∑ 🙂"
+    ids = rt.tokenize(text, add_special=False)
+    assert len(ids) > len(text.split())
+    assert rt._engine.detokenize(ids) == b"".join(rt._engine.piece(t) for t in ids) == text.encode()
+    assert rt.detokenize(ids) == text
+    assert rt.detokenize([]) == ""
 
 
 def test_errors_on_bad_input(rt, tiny_target_gguf, draft_gguf, tmp_path):
