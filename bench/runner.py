@@ -29,6 +29,7 @@ from typing import Callable
 
 from dflash_llama import peers
 from dflash_llama.prompts import Prompt
+from dflash_llama.results import first_mismatch
 
 from . import cost_model
 
@@ -93,21 +94,14 @@ class Settings:
     deadline: float | None = None  # time.monotonic() by which the run must be done (None: no budget)
 
 
-def _first_difference(a, b) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def text_matches(text: str, ref: str, ref_stopped: bool) -> tuple[bool, int | None]:
     """Does a peer's greedy text agree with the reference's? A reference that ran to -n is a prefix
     of the peer's text (peers may decode past -n); one that stopped at end of generation must be
     equal. Returns (exact, index of the first differing character)."""
     if ref_stopped:
-        return text == ref, _first_difference(text, ref)
+        return text == ref, first_mismatch(text, ref)
     ok = text.startswith(ref)
-    return ok, None if ok else _first_difference(text, ref)
+    return ok, None if ok else first_mismatch(text, ref)
 
 
 def plan_methods(s: Settings, block_size: int, pick: int | None) -> list[Method]:
@@ -296,7 +290,7 @@ class Bench:
         for m in methods:
             r = results[m.key]
             if m.impl == "dflash-llama" and m.kind == "dflash":
-                exact, diff = r["_tokens"] == ar["_tokens"], _first_difference(r["_tokens"], ar["_tokens"])
+                exact, diff = r["_tokens"] == ar["_tokens"], first_mismatch(r["_tokens"], ar["_tokens"])
                 against, unit = "runtime-ar", "token"
             elif m.key == "runtime-ar":
                 exact, diff = text_matches(r["_text"], lc["_text"], True)

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dflash_llama import paths
+from dflash_llama import peers
 
 
 class ServerError(RuntimeError):
@@ -58,15 +58,10 @@ class LlamaServer:
                  extra_args: Sequence[str] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [str(paths.tool("llama-server")), "-m", str(target), "--host", "127.0.0.1",
-                    "--port", str(self.port), "-t", str(threads), "-tb", str(threads),
-                    "-c", str(n_ctx * n_parallel), "-np", str(n_parallel), "--no-webui",
-                    "-fa", "off"]  # as every tool of the bench: CPU flash attention is not batch-invariant
-        if draft is not None:
-            self.cmd += ["-md", str(draft), "--spec-type", spec_type, "-td", str(threads), "-tbd", str(threads)]
-            if n_max is not None:
-                self.cmd += ["--spec-draft-n-max", str(n_max)]
-        self.cmd += list(extra_args)
+        # -fa off, as every tool of the bench: CPU flash attention is not batch-invariant
+        self.cmd = peers.server_command(target, port=self.port, threads=threads, n_ctx=n_ctx, n_parallel=n_parallel,
+                                        draft=draft, spec_type=spec_type, n_max=n_max, flash_attn="off",
+                                        extra_args=extra_args)
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
         self.last_pid: int | None = None  # the pid of the server once stopped, for checks

@@ -11,7 +11,6 @@ into the parity cache folder (`$DFLASH_LLAMA_CACHE`).
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -21,7 +20,7 @@ import numpy as np
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
-def _tiny(name: str, **draft):
+def tiny_fixture(name: str, **draft):
     """(target HF dir, target GGUF, draft HF dir, draft GGUF f32) for a tiny draft config."""
     from dflash_llama import fixtures
     from dflash_llama.converter import convert
@@ -65,7 +64,7 @@ def u1_converter_default_layers() -> bool:
     the default taps, and llama.cpp then refuses the file."""
     from dflash_llama import fixtures, gguf_info
 
-    target_hf, target, hf, _ = _tiny("u1", layers=2, block_size=8, seed=41)  # no target_layer_ids
+    target_hf, target, hf, _ = tiny_fixture("u1", layers=2, block_size=8, seed=41)  # no target_layer_ids
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "pinned.gguf"
         fixtures.run_pinned_converter([str(hf), "--target-model-dir", str(target_hf), "--outfile", str(out),
@@ -79,7 +78,7 @@ def u1_converter_default_layers() -> bool:
 
 def u2_last_layer_tap() -> bool:
     """U2: a tap on the target's last layer aborts draft-dflash (no input tensor for layer n_layer)."""
-    _, target, _, gguf = _tiny("u2", layers=1, target_layer_ids=[3], block_size=4, seed=42)
+    _, target, _, gguf = tiny_fixture("u2", layers=1, target_layer_ids=[3], block_size=4, seed=42)
     r = _speculative_simple(target, gguf)
     print(f"U2: tap on target layer 3 of 4: llama-speculative-simple exit code {r.returncode}: "
           f"{_last(r, 'GGML_ASSERT')}")
@@ -90,7 +89,7 @@ def u3_sliding_layers_non_causal() -> bool:
     """U3: sliding-window draft layers are causal in the published model, not in llama.cpp."""
     from .graph import rel_err
 
-    _, target, hf, gguf = _tiny("u3", layers=2, heads=4, kv_heads=1, target_layer_ids=[0, 2], block_size=8,
+    _, target, hf, gguf = tiny_fixture("u3", layers=2, heads=4, kv_heads=1, target_layer_ids=[0, 2], block_size=8,
                                 seed=43, layer_types=["full_attention", "sliding_attention"], sliding_window=4)
     *_, ref, ours, native = _traces(target, gguf, hf)
     e_rt, e_nat = rel_err(ref["ffn_inp-1"], ours["ffn_inp-1"]), rel_err(ref["ffn_inp-1"], native["ffn_inp-1"])
@@ -105,7 +104,7 @@ def u4_probabilities() -> tuple[np.ndarray, np.ndarray]:
 
     from dflash_llama.reference.checkpoint import load_draft
 
-    _, target, hf, gguf = _tiny("u4", layers=1, target_layer_ids=[1], block_size=8, seed=44,
+    _, target, hf, gguf = tiny_fixture("u4", layers=1, target_layer_ids=[1], block_size=8, seed=44,
                                 extra_config={"output_multiplier": 0.25, "final_logit_softcapping": 2.0})
     rt, native, feats, block, ref, ours, nat = _traces(target, gguf, hf)
     raw = nat["result_output"].reshape(len(block), -1)[1:]
@@ -128,7 +127,7 @@ def u5_block_length() -> bool:
     non-causal attention over the block, a shorter block drafts other tokens."""
     from .graph import drafted_tokens
 
-    _, target, hf, gguf = _tiny("u5", layers=2, target_layer_ids=[1, 2], block_size=8, seed=45)
+    _, target, hf, gguf = tiny_fixture("u5", layers=2, target_layer_ids=[1, 2], block_size=8, seed=45)
     rt, native, feats, block, *_ = _traces(target, gguf, hf)
     full = drafted_tokens(native.trace(feats, block), rt.n_vocab)[:3]
     short = drafted_tokens(native.trace(feats, block[:4]), rt.n_vocab)[:3]
@@ -151,15 +150,17 @@ def _top_p(logits: np.ndarray, k: int = 10) -> np.ndarray:
     return z[:, -1] / z.sum(-1)
 
 
-def _speculative_simple(target, draft) -> subprocess.CompletedProcess:
-    from dflash_llama import paths
+def _speculative_simple(target, draft):
+    """llama-speculative-simple's draft-dflash loop on the finding's prompt, whatever its exit status."""
+    from dflash_llama import peers
 
-    return subprocess.run([str(paths.tool("llama-speculative-simple")), "-m", str(target), "-md", str(draft),
-                           "--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-p", PROMPT, "-n", "8",
-                           "--temp", "0", "-c", "256", "-t", "1"], capture_output=True, text=True, errors="replace")
+    from .native import FLASH_ATTN
+
+    return peers.run_tool(peers.speculative_command(target, PROMPT, 8, "draft-dflash", draft=draft, n_max=3,
+                                                    threads=1, n_ctx=256, flash_attn=FLASH_ATTN))
 
 
-def _last(r: subprocess.CompletedProcess, key: str) -> str:
+def _last(r, key: str) -> str:
     lines = [ln.strip() for ln in r.stderr.splitlines() if key in ln]
     return lines[-1] if lines else (r.stderr.strip().splitlines() or ["ok"])[-1]
 

@@ -1,8 +1,8 @@
 """The draft graph three ways: the PyTorch reference, our runtime and llama.cpp's `dflash` graph.
 
 All three get the same context features and block and name their intermediates in the shared
-vocabulary (design.md); this module lines them up in graph order and measures relative errors
-between every pair.
+vocabulary of intermediates (listed in docs/parity.md); this module lines them up in graph order
+and measures relative errors between every pair.
 """
 
 from __future__ import annotations

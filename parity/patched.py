@@ -122,11 +122,15 @@ def draft_log(exe: Path, target: Path, draft: Path, prompt: str, n_max: int,
               n_predict: int = 8) -> list[list[tuple[int, float]]]:
     """Per draft step, the top candidate (token, probability) at each block position, from the
     tool's debug log (-lv 5)."""
-    r = subprocess.run([str(exe), "-m", str(target), "-md", str(draft), "--spec-type", "draft-dflash",
-                        "--spec-draft-n-max", str(n_max), "-p", prompt, "-n", str(n_predict), "--temp", "0",
-                        "-c", "256", "-t", "1", "-lv", "5"], capture_output=True, text=True, errors="replace")
-    if r.returncode != 0:
-        raise RuntimeError(f"{exe.name} failed: {r.stderr.strip().splitlines()[-1:]}")
+    from dflash_llama import peers
+
+    from .native import FLASH_ATTN
+
+    r = peers.run_tool(peers.speculative_command(target, prompt, n_predict, "draft-dflash", draft=draft, n_max=n_max,
+                                                 threads=1, n_ctx=256, flash_attn=FLASH_ATTN, extra_args=["-lv", "5"],
+                                                 exe=exe))
+    if not r.ok:
+        raise RuntimeError(f"{exe.name} failed: {r.log_tail()}")
     blocks: list[list[tuple[int, float]]] = []
     for pos, tok, p in _DRAFTED.findall(r.stdout + r.stderr):
         if int(pos) == 0:
@@ -143,9 +147,9 @@ def _tools(exe_patched: Path):
 
 def show_u5(exe_patched: Path) -> dict:
     """U5 before and after: drafts at --spec-draft-n-max 3 against the first 3 of the full block."""
-    from .findings import PROMPT, _tiny
+    from .findings import PROMPT, tiny_fixture
 
-    _, target, _, draft = _tiny("u5", layers=2, target_layer_ids=[1, 2], block_size=8, seed=45)
+    _, target, _, draft = tiny_fixture("u5", layers=2, target_layer_ids=[1, 2], block_size=8, seed=45)
     out = {}
     for name, exe in _tools(exe_patched):
         full = [[t for t, _ in b] for b in draft_log(exe, target, draft, PROMPT, 7)]
@@ -161,10 +165,10 @@ def show_u5(exe_patched: Path) -> dict:
 def show_u4(exe_patched: Path) -> dict:
     """U4 before and after: the top-candidate probabilities draft-dflash computes for the first block,
     against the published logits' (output_multiplier 0.25, soft-cap 2)."""
-    from .findings import PROMPT, _tiny, u4_probabilities
+    from .findings import PROMPT, tiny_fixture, u4_probabilities
 
     p_raw, p_pub = u4_probabilities()
-    _, target, _, draft = _tiny("u4", layers=1, target_layer_ids=[1], block_size=8, seed=44,
+    _, target, _, draft = tiny_fixture("u4", layers=1, target_layer_ids=[1], block_size=8, seed=44,
                                 extra_config={"output_multiplier": 0.25, "final_logit_softcapping": 2.0})
     out = {"published": round(float(p_pub.mean()), 3), "raw": round(float(p_raw.mean()), 3)}
     for name, exe in _tools(exe_patched):

@@ -4,8 +4,8 @@ length (tau) with our runtime and with llama.cpp's draft-dflash loop on the same
 
     dflash-llama parity --quant-study [--target T.gguf --draft-hf DIR] --out reports/NAME/quant/
 
-writes quant.json, quant.md and quant.png. Default: the embedded pair (SmolLM2-135M Q4_1 and its
-draft, or the random placeholder draft until the trained one exists).
+writes quant.json, quant.md and quant.png (the command line is parity/cli.py's). Default: the
+embedded pair (SmolLM2-135M Q4_1 and its trained draft).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,30 +24,31 @@ def run_study(target: Path, draft_hf: Path, work: Path, prompts: list, n_predict
               graph_prompts: int = 2, native: bool = True, outtypes=OUTTYPES, progress_bar: bool = True) -> dict:
     import torch
 
-    from dflash_llama import Runtime
+    from dflash_llama import Runtime, peers
     from dflash_llama.converter import convert
     from dflash_llama.reference import generate_speculative
     from dflash_llama.reference.checkpoint import load_draft
     from dflash_llama.reference.gguf_tensors import target_weights_from_gguf
 
     from . import bounds as B
-    from .native import NativeDraft, speculative_simple
-    from .stages import ParityConfig, Progress, _cut, _head_type, _load_target, _types, stage_graph
+    from .native import FLASH_ATTN, NativeDraft
+    from .stages import ParityConfig, Progress, head_type, keep_last, load_reference_target, stage_graph, \
+        tensor_types
 
     torch.set_num_threads(max(1, n_threads))
     work.mkdir(parents=True, exist_ok=True)
     tw = target_weights_from_gguf(target)
     ref_draft = load_draft(draft_hf, tw.embed_tokens, tw.lm_head)
-    head = B.category(_head_type(_types(target)))
+    head = B.category(head_type(tensor_types(target)))
     progress = Progress(len(outtypes) * (graph_prompts + len(prompts)) + len(prompts), progress_bar)
     rows = []
     try:
         # the reference's tau does not depend on the GGUF type: once, on the reference target
-        reference_target = _load_target(target)
+        reference_target = load_reference_target(target)
         ref_tau = []
         probe = Runtime(target, None, n_threads=n_threads, n_ctx=512)
         for p in prompts:
-            tokens = _cut(probe.tokenize(p.text), 192)
+            tokens = keep_last(probe.tokenize(p.text), 192)
             with torch.no_grad():
                 ref_tau.append(generate_speculative(reference_target, ref_draft, tokens, n_predict).tau)
             progress.step("reference")
@@ -60,17 +60,21 @@ def run_study(target: Path, draft_hf: Path, work: Path, prompts: list, n_predict
                                graph_prompts=graph_prompts, n_threads=n_threads, n_predict=n_predict)
             rt = Runtime(target, gguf, n_threads=n_threads, n_ctx=512, kv_f32=True)
             nd = NativeDraft(rt, gguf, n_ctx=512, n_threads=n_threads) if native else None
-            cat = B.file_category(_types(gguf), skip=("token_embd.weight", "output.weight"))
+            cat = B.file_category(tensor_types(gguf), skip=("token_embd.weight", "output.weight"))
             graph = stage_graph(cfg, rt, nd, ref_draft, cat, head, progress)
             rt_e2e = Runtime(target, gguf, n_threads=n_threads, n_ctx=512)
             taus, native_taus = [], []
             for p in prompts:
-                tokens = _cut(rt_e2e.tokenize(p.text), 192)
+                tokens = keep_last(rt_e2e.tokenize(p.text), 192)
                 taus.append(rt_e2e.generate(tokens, n_predict, stop_at_eog=False).tau)
                 if native:
-                    ns = speculative_simple(target, gguf, rt_e2e.detokenize(tokens), n_predict,
-                                            rt_e2e.block_size - 1, n_threads=n_threads)
-                    native_taus.append(ns.tau if ns.ok else math.nan)
+                    try:
+                        ns = peers.speculative(target, rt_e2e.detokenize(tokens), n_predict, "draft-dflash",
+                                               draft=gguf, n_max=rt_e2e.block_size - 1, threads=n_threads,
+                                               n_ctx=2048, flash_attn=FLASH_ATTN)
+                        native_taus.append(ns.tau)
+                    except peers.PeerError:
+                        native_taus.append(math.nan)
                 progress.step(outtype)
             rows.append({"outtype": outtype, "category": cat, "file_bytes": gguf.stat().st_size,
                          "graph_status": graph["status"], "names": graph["names"], "errors": graph["errors"],
@@ -91,9 +95,9 @@ def run_study(target: Path, draft_hf: Path, work: Path, prompts: list, n_predict
 def write(study: dict, out: Path, title: str) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "quant.json", "md": out / "quant.md", "png": out / "quant.png"}
-    from .report import _clean
+    from .report import json_safe
 
-    paths["json"].write_text(json.dumps(_clean(study), indent=1) + "\n")
+    paths["json"].write_text(json.dumps(json_safe(study), indent=1) + "\n")
     _plot(study, paths["png"], title)
     lines = [f"# Quantisation study: {title}", "",
              f"Target `{study['target']}`, draft checkpoint `{study['draft_hf']}`; reference = the checkpoint's "
@@ -168,39 +172,3 @@ def _plot(study: dict, path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-def main(args) -> int:
-    from dflash_llama import fixtures
-
-    from . import registry
-    from .cli import _prompts
-
-    if args.out is None:
-        print("dflash-llama parity: error: --quant-study needs --out", file=sys.stderr)
-        return 2
-    title = args.name or args.out.resolve().name
-    if args.target is None and args.draft_hf is None:
-        title = args.name or "smollm2-135m-dflash"
-        _, defaults = registry.load(args.registry or registry.REGISTRY_PATH)
-        target = fixtures.smollm2_gguf()
-        draft_hf = registry.default_draft_dir(defaults)
-        if not (draft_hf / "config.json").exists():
-            draft_hf = registry.random_smollm2_draft_hf(registry.cache_dir() / "smollm2-random-draft-hf", target,
-                                                        defaults.get("placeholder", {}))
-            title += " (PLACEHOLDER: random SmolLM2-shaped draft, not the trained default; tau means nothing)"
-    elif args.target is None or args.draft_hf is None:
-        print("dflash-llama parity: error: --quant-study needs both --target and --draft-hf (or neither)",
-              file=sys.stderr)
-        return 2
-    else:
-        target, draft_hf = args.target, args.draft_hf
-    work = registry.cache_dir() / "quant" / Path(draft_hf).resolve().name  # GGUFs stay out of reports/
-    study = run_study(Path(target), Path(draft_hf), work, _prompts(args), args.n_predict,
-                      n_threads=args.threads, graph_prompts=args.graph_prompts, native=not args.no_native,
-                      progress_bar=not args.quiet)
-    paths = write(study, args.out, title)
-    for r in study["rows"]:
-        print(f"{r['outtype']:5s} max ref/runtime {r['max_error'].get('reference/runtime', math.nan):.1e}  "
-              f"tau runtime {r['tau_runtime']:.2f}  graph {r['graph_status']}")
-    print(f"quantisation study: {paths['md']}")
-    return 0

@@ -1,17 +1,20 @@
 """The registry of model pairs (parity/registry.toml) and the files each pair needs, built on demand.
 
-Tiny fixtures and the random SmolLM2-shaped placeholder draft are built from seeds into a cache
-folder (`$DFLASH_LLAMA_CACHE`, else `~/.cache/dflash-llama`), once; GGUFs are converted with our
-converter. A `files` pair whose files are missing is skipped.
+Tiny fixtures are built from seeds into a cache folder (`$DFLASH_LLAMA_CACHE`, else
+`~/.cache/dflash-llama`), once; GGUFs are converted with our converter. A `files` pair whose files
+are missing is skipped.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the backport (a dependency there)
+    import tomli as tomllib
 
 REGISTRY_PATH = Path(__file__).with_name("registry.toml")
 
@@ -38,7 +41,6 @@ class Resolved:
     draft: Path | None = None
     draft_hf: Path | None = None
     target_hf: Path | None = None
-    placeholder: bool = False  # the default pair with the random stand-in draft
     skip: str | None = None
 
 
@@ -65,8 +67,9 @@ def load(path: str | os.PathLike = REGISTRY_PATH) -> tuple[list[Pair], dict]:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("DFLASH_LLAMA_CACHE") or Path.home() / ".cache" / "dflash-llama"
-    out = Path(root) / "parity"
+    from dflash_llama.converter.pair import cache_dir as package_cache
+
+    out = package_cache() / "parity"
     out.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -92,24 +95,6 @@ def tiny_target(cache: Path) -> tuple[Path, Path]:
         fixtures.tiny_target_gguf(hf, gguf.with_suffix(".tmp"), outtype="f32")
         gguf.with_suffix(".tmp").rename(gguf)
     return hf, gguf
-
-
-def random_smollm2_draft_hf(out: Path, target_gguf: Path, cfg: dict) -> Path:
-    """A random DFlash draft shaped for SmolLM2 (the placeholder until the trained one exists)."""
-    from dflash_llama import fixtures, gguf_info
-
-    if (out / "model.safetensors").exists():
-        return out
-    info = gguf_info(target_gguf)
-    shape = out.with_name(out.name + "-target-shape")
-    shape.mkdir(parents=True, exist_ok=True)  # tiny_draft_hf reads the target's shape from here
-    n_vocab = len(info.metadata["tokenizer.ggml.tokens"])
-    (shape / "config.json").write_text(json.dumps({"hidden_size": int(info.get("embedding_length")),
-                                                   "num_hidden_layers": int(info.block_count),
-                                                   "vocab_size": n_vocab}))
-    draft_cfg = fixtures.TinyDraftConfig(rope_theta=float(info.get("rope.freq_base", 10000.0)), **cfg)
-    fixtures.tiny_draft_hf(out, shape, draft_cfg)
-    return out
 
 
 def _converted(hf: Path, target: Path, out: Path, outtype: str) -> Path:
@@ -138,12 +123,8 @@ def resolve(pair: Pair, defaults: dict, cache: Path | None = None) -> Resolved:
     if pair.kind == "default":
         target = fixtures.smollm2_gguf()
         hf = default_draft_dir(defaults)
-        placeholder = not (hf / "config.json").exists()
-        if placeholder:
-            hf = random_smollm2_draft_hf(cache / "smollm2-random-draft-hf", target, defaults.get("placeholder", {}))
-        stem = "smollm2-random-draft" if placeholder else "smollm2-default-draft"
-        draft = _converted(hf, target, cache / f"{stem}-{pair.outtype}.gguf", pair.outtype)
-        return Resolved(pair, target=target, draft=draft, draft_hf=hf, placeholder=placeholder)
+        draft = _converted(hf, target, cache / f"smollm2-default-draft-{pair.outtype}.gguf", pair.outtype)
+        return Resolved(pair, target=target, draft=draft, draft_hf=hf)
     # files
     paths = {k: _expand(getattr(pair, k)) for k in ("target", "draft", "draft_hf", "target_hf")}
     for key in ("target", "draft"):

@@ -23,21 +23,21 @@ def validate(report: dict) -> None:
     jsonschema.validate(report, schema())
 
 
-def _clean(x):
+def json_safe(x):
     """JSON has no inf/nan: an infinite error becomes null (the markdown says "inf")."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
 def write(report: dict, out_dir: str | Path) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    clean = _clean(report)
+    clean = json_safe(report)
     paths = {"json": out / "parity.json", "md": out / "parity.md", "png": out / "parity.png"}
     paths["json"].write_text(json.dumps(clean, indent=1) + "\n")
     plot(clean, paths["png"])
@@ -219,7 +219,7 @@ def plot(r: dict, path: str | Path) -> None:
     ax.set_xticks(x)
     ax.set_xticklabels(names, rotation=75, ha="right", fontsize=7)
     ax.set_ylabel("relative error (log)")
-    ax.set_title(f"{r['name']}{' (PLACEHOLDER draft)' if 'placeholder' in r.get('note', '') else ''}: draft intermediates ({g.get('draft_type', '?')} draft), dashed: bounds, shaded: odd layers; "
+    ax.set_title(f"{r['name']}: draft intermediates ({g.get('draft_type', '?')} draft), dashed: bounds, shaded: odd layers; "
                  f"{'PASS' if r['passed'] else 'FAIL'}", fontsize=10)
     ax.grid(True, axis="y", which="major", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_llama.converter import gguf_layout as L
+from dflash_llama import schema as L
 from dflash_llama.paths import display_path
+from dflash_llama.results import first_mismatch
 
 from . import bounds as B
 from .graph import PAIRS, GraphComparison, drafted_tokens, first_reader, graph_order, layer_of, \
@@ -68,17 +69,20 @@ class Progress:
 
 # ---------------------------------------------------------------- helpers
 
-def _types(path: Path) -> dict[str, str]:
+def tensor_types(path: Path) -> dict[str, str]:
+    """GGUF tensor name -> its type name (f32, q8_0, ...)."""
     from dflash_llama import gguf_info
 
     return {t.name: t.type for t in gguf_info(path).tensors}
 
 
-def _head_type(target_types: dict[str, str]) -> str:
+def head_type(target_types: dict[str, str]) -> str:
+    """The type of the target's output head (the tied embedding when it has no output.weight)."""
     return target_types.get("output.weight", target_types.get("token_embd.weight", "f32"))
 
 
-def _cut(tokens: list[int], n: int) -> list[int]:
+def keep_last(tokens: list[int], n: int) -> list[int]:
+    """A prompt's last `n` tokens (longer prompts are cut from the left)."""
     return tokens[-n:] if len(tokens) > n else tokens
 
 
@@ -100,7 +104,7 @@ def stage_converter(cfg: ParityConfig) -> dict:
 
     _, gguf_tensors, own = read_draft_gguf(Path(cfg.draft))
     hf = {n: p.detach().float().numpy() for n, p in load_draft(cfg.draft_hf).named_parameters()}
-    types = _types(Path(cfg.draft))
+    types = tensor_types(Path(cfg.draft))
     rows = []
     for hf_name, got in gguf_tensors.items():
         gguf_name = L.gguf_tensor_name(hf_name)[0]
@@ -177,7 +181,7 @@ def stage_capture(cfg: ParityConfig, rt, reference, target_cat: str, hf_ids: lis
     check = layer_check(rt.target_layer_ids, hf_ids)
     source = cfg.target_hf or cfg.target
     bound = B.BOUNDS[target_cat].capture_hf if cfg.target_hf else B.BOUNDS[target_cat].capture
-    tokens = _cut(rt.tokenize(cfg.prompts[0].text), cfg.max_context)
+    tokens = keep_last(rt.tokenize(cfg.prompts[0].text), cfg.max_context)
     n_layer = rt.n_layer
     ours = rt.capture(tokens, list(range(n_layer))).reshape(len(tokens), n_layer, -1)
     out = reference.forward(tokens, 0, reference.new_cache(), feature_layers=list(range(n_layer)))
@@ -210,11 +214,11 @@ def graph_bounds(names: list[str], draft_cat: str, head_cat: str) -> dict[str, d
 
 
 def stage_graph(cfg: ParityConfig, rt, native, ref_draft, draft_cat: str, head_cat: str, progress) -> dict:
-    names = graph_order(ref_draft.config.num_layers)
+    names = graph_order(ref_draft.config.n_layer)
     comparison = GraphComparison(names)
     inputs = []
     for prompt in cfg.prompts[:cfg.graph_prompts]:
-        tokens = _cut(rt.tokenize(prompt.text), cfg.max_context)
+        tokens = keep_last(rt.tokenize(prompt.text), cfg.max_context)
         features = rt.capture(tokens[:-1])
         block = [tokens[-1]] + [rt.mask_token_id] * (rt.block_size - 1)
         traces = {"reference": reference_trace(ref_draft, features, block), "runtime": rt.trace_draft(features, block)}
@@ -251,8 +255,6 @@ def stage_end_to_end(cfg: ParityConfig, rt_e2e, rt, native, reference_target, re
 
     from dflash_llama.reference import generate_autoregressive, generate_speculative
 
-    from .native import speculative_simple
-
     if reference_target.vocab_size != rt.n_vocab:
         raise ValueError(f"the reference target has {reference_target.vocab_size} tokens, the GGUF {rt.n_vocab}")
     n = cfg.n_predict
@@ -260,7 +262,7 @@ def stage_end_to_end(cfg: ParityConfig, rt_e2e, rt, native, reference_target, re
     rows = []
     agree = {f"{a}/{b}": [0, 0] for a, b in PAIRS}
     for prompt in cfg.prompts:
-        tokens = _cut(rt.tokenize(prompt.text), cfg.max_context)
+        tokens = keep_last(rt.tokenize(prompt.text), cfg.max_context)
         text = rt.detokenize(tokens)  # the exact text the native tool tokenizes (after a cut)
         row = {"prompt": prompt.id, "n_prompt": len(tokens)}
 
@@ -268,7 +270,7 @@ def stage_end_to_end(cfg: ParityConfig, rt_e2e, rt, native, reference_target, re
         ar = rt_e2e.autoregressive(tokens, n, stop_at_eog=False)
         spec = rt_e2e.generate(tokens, n, stop_at_eog=False)
         row["runtime"] = {"tau": spec.tau, "greedy_exact": spec.tokens == ar.tokens, "n_tokens": len(spec.tokens),
-                          "first_mismatch": _first_mismatch(spec.tokens, ar.tokens)}
+                          "first_mismatch": first_mismatch(spec.tokens, ar.tokens)}
 
         # the reference, on its own (transformers) target
         with torch.no_grad():
@@ -276,29 +278,12 @@ def stage_end_to_end(cfg: ParityConfig, rt_e2e, rt, native, reference_target, re
             r_spec = generate_speculative(reference_target, ref_draft, tokens, n)
         row["reference"] = {"tau": r_spec.tau, "greedy_exact": r_spec.tokens == r_ar.tokens,
                             "n_tokens": len(r_spec.tokens),
-                            "first_mismatch": _first_mismatch(r_spec.tokens, r_ar.tokens),
+                            "first_mismatch": first_mismatch(r_spec.tokens, r_ar.tokens),
                             "same_tokens_as_runtime": r_ar.tokens == ar.tokens}
 
-        # llama.cpp's draft-dflash loop, against the same tool drafting nothing (one token per
-        # target decode): its prompt handling (the last prompt token decoded with the first block)
-        # is its own, and CPU flash attention is not batch-invariant, so its greedy text is the
-        # fair baseline; agreement with our runtime's text is reported apart
         if native is not None:
             n_ctx = max(512, len(tokens) + n + 2 * block)
-            ns = speculative_simple(cfg.target, cfg.draft, text, n, block - 1, n_threads=cfg.n_threads, n_ctx=n_ctx)
-            plain = speculative_simple(cfg.target, cfg.draft, text, n, 0, n_threads=cfg.n_threads, n_ctx=n_ctx) \
-                if ns.ok else None
-            if ns.ok and plain.ok:
-                k = min(len(ns.text), len(plain.text))
-                ar_text = rt_e2e.detokenize(ar.tokens)
-                m = min(len(ns.text), len(ar_text))
-                row["native"] = {"tau": ns.tau, "greedy_exact": k > 0 and ns.text[:k] == plain.text[:k],
-                                 "n_tokens": ns.n_predict, "n_drafted": ns.n_drafted, "n_accept": ns.n_accept,
-                                 "compared_chars": k, "same_text_as_runtime": ns.text[:m] == ar_text[:m]}
-            else:
-                bad = ns if not ns.ok else plain
-                row["native"] = {"tau": None, "greedy_exact": False, "error":
-                                 f"llama-speculative-simple exited with code {bad.returncode}:\n{bad.log_tail}"}
+            row["native"] = native_row(cfg, text, n, block, n_ctx, rt_e2e.detokenize(ar.tokens))
 
         # drafted-token agreement: replay the runtime's first steps through all three drafts
         full = tokens + spec.tokens
@@ -332,8 +317,9 @@ def stage_end_to_end(cfg: ParityConfig, rt_e2e, rt, native, reference_target, re
     return {"status": status, "n_predict": n, "block_size": block, "prompts": rows, "tau": tau,
             "greedy_exact": exact, "draft_agreement": agreement,
             "native_error": errors[0] if errors else None,
-            "notes": ["runtime and native run llama.cpp's default KV cache (f16) and flash-attention setting; "
-                      "the reference runs transformers in f32 on its own target, so its tokens may differ",
+            "notes": ["runtime and native run llama.cpp's default KV cache (f16); native runs llama.cpp's "
+                      "default flash-attention setting (auto), our runtime runs without; the reference runs "
+                      "transformers in f32 on its own target, so its tokens may differ",
                       "native tau = n_predict / (n_predict - n_accept) from llama-speculative-simple's log; "
                       "its first block is anchored on the last prompt token (the published loop samples "
                       "the first token from the prefill)",
@@ -344,11 +330,27 @@ def stage_end_to_end(cfg: ParityConfig, rt_e2e, rt, native, reference_target, re
                       "with the first block, and CPU flash attention is not batch-invariant)"]}
 
 
-def _first_mismatch(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+def native_row(cfg: ParityConfig, text: str, n: int, block: int, n_ctx: int, ar_text: str) -> dict:
+    """llama.cpp's draft-dflash loop on one prompt, against the same tool drafting nothing (one
+    token per target decode): its prompt handling (the last prompt token decoded with the first
+    block) is its own, and CPU flash attention is not batch-invariant, so its greedy text is the
+    fair baseline; agreement with our runtime's text (`ar_text`) is reported apart."""
+    from dflash_llama import peers
+
+    from .native import FLASH_ATTN
+
+    try:
+        runs = [peers.speculative(cfg.target, text, n, "draft-dflash", draft=cfg.draft, n_max=n_max,
+                                  threads=cfg.n_threads, n_ctx=n_ctx, flash_attn=FLASH_ATTN)
+                for n_max in (block - 1, 0)]
+    except peers.PeerError as e:
+        return {"tau": None, "greedy_exact": False, "error": str(e)}
+    ns, plain = runs
+    k = min(len(ns.text), len(plain.text))
+    m = min(len(ns.text), len(ar_text))
+    return {"tau": ns.tau, "greedy_exact": k > 0 and ns.text[:k] == plain.text[:k], "n_tokens": ns.n_tokens,
+            "n_drafted": ns.n_drafted, "n_accept": ns.n_accept, "compared_chars": k,
+            "same_text_as_runtime": ns.text[:m] == ar_text[:m]}
 
 
 # ---------------------------------------------------------------- first divergence
@@ -437,7 +439,7 @@ def first_divergence(report: dict) -> dict | None:
 
 # ---------------------------------------------------------------- all stages
 
-def _load_target(path):
+def load_reference_target(path):
     """The reference target, with transformers' progress bars and notices off."""
     import transformers
 
@@ -454,7 +456,7 @@ def run_parity(cfg: ParityConfig, progress_bar: bool = True) -> dict:
 
     import dflash_llama
     from dflash_llama import Runtime
-    from dflash_llama.reference.checkpoint import draft_config_from_hf, _hf_config, load_draft
+    from dflash_llama.reference.checkpoint import load_draft, read_hf_config
     from dflash_llama.reference.gguf_tensors import target_weights_from_gguf
 
     from .native import NativeDraft
@@ -472,15 +474,14 @@ def run_parity(cfg: ParityConfig, progress_bar: bool = True) -> dict:
     n_graph = min(cfg.graph_prompts, len(cfg.prompts))
     progress = Progress(1 + 1 + n_graph + (len(cfg.prompts) if cfg.end_to_end else 0), progress_bar)
     try:
-        target_types = _types(Path(cfg.target))
-        draft_types = _types(Path(cfg.draft))
+        target_types = tensor_types(Path(cfg.target))
+        draft_types = tensor_types(Path(cfg.draft))
         target_cat = B.file_category(target_types)
-        head_type = _head_type(target_types)
+        head = head_type(target_types)
         draft_cat = B.file_category(draft_types, skip=("token_embd.weight", "output.weight"))
         n_ctx = max(512, cfg.max_context + cfg.n_predict + 64)
         rt = Runtime(cfg.target, cfg.draft, n_threads=cfg.n_threads, n_ctx=n_ctx, kv_f32=True)
-        hf_ids = draft_config_from_hf(_hf_config(Path(cfg.draft_hf)), str(cfg.draft_hf)).target_layer_ids \
-            if cfg.draft_hf else None
+        hf_ids = read_hf_config(Path(cfg.draft_hf)).target_layer_ids if cfg.draft_hf else None
 
         report = {
             "schema_version": SCHEMA_VERSION,
@@ -492,13 +493,13 @@ def run_parity(cfg: ParityConfig, progress_bar: bool = True) -> dict:
                        "target_hf": display_path(cfg.target_hf) if cfg.target_hf else None,
                        "prompts": [p.id for p in cfg.prompts], "n_predict": cfg.n_predict,
                        "reference_weights": "hf" if cfg.draft_hf else "gguf"},
-            "types": {"draft": draft_cat, "target": target_cat, "head": head_type,
-                      "head_category": B.category(head_type)},
+            "types": {"draft": draft_cat, "target": target_cat, "head": head,
+                      "head_category": B.category(head)},
             "stages": {},
         }
         report["stages"]["converter"] = stage_converter(cfg)
         progress.step("converter")
-        reference_target = _load_target(cfg.target_hf or cfg.target)
+        reference_target = load_reference_target(cfg.target_hf or cfg.target)
         report["stages"]["capture"] = stage_capture(cfg, rt, reference_target, target_cat, hf_ids, progress)
 
         tw = target_weights_from_gguf(cfg.target)
@@ -508,7 +509,7 @@ def run_parity(cfg: ParityConfig, progress_bar: bool = True) -> dict:
                              f"{len(rt.target_layer_ids)}: not the same draft")
         native = NativeDraft(rt, cfg.draft, n_ctx=n_ctx, n_threads=cfg.n_threads) if cfg.native else None
         report["stages"]["graph"] = stage_graph(cfg, rt, native, ref_draft, draft_cat,
-                                                B.category(head_type), progress)
+                                                B.category(head), progress)
         if cfg.end_to_end:
             rt_e2e = Runtime(cfg.target, cfg.draft, n_threads=cfg.n_threads, n_ctx=n_ctx)
             report["stages"]["end_to_end"] = stage_end_to_end(cfg, rt_e2e, rt, native, reference_target,

@@ -8,9 +8,12 @@ the target's distribution.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
 
 import torch
+
+from dflash_llama.results import generation_json
 
 
 @dataclass(frozen=True)
@@ -103,15 +106,10 @@ class GenerationResult:
         """Mean tokens produced per target verify (0.0 before the first step)."""
         return sum(s.produced for s in self.steps) / len(self.steps) if self.steps else 0.0
 
-    def to_json_dict(self, text: str | None = None) -> dict:
-        """The `dflash-llama generate --json` schema shared by every engine."""
-        return {
-            "tokens": list(self.tokens),
-            "text": text,
-            "steps": [{"drafted": s.drafted, "accepted": s.accepted, "produced": s.produced}
-                      for s in self.steps],
-            "tau": self.tau,
-        }
+    def to_json_dict(self, text: str | None = None, prompt_ids: Sequence[int] | None = None) -> dict:
+        """The `dflash-llama generate --json` object (`results.generation_json`)."""
+        return generation_json(self.tokens, text, [asdict(s) for s in self.steps], self.tau,
+                               prompt_ids=prompt_ids)
 
 
 def _check_request(prompt_ids, max_new_tokens: int) -> list[int]:

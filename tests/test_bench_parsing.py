@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -58,6 +59,47 @@ def test_parse_speculative_strips_the_echoed_prompt():
         peers.parse_speculative("\n\nsomething else\n\n\n\n", SPECULATIVE_STDERR, prompt, 16)
     with pytest.raises(peers.PeerError, match="two final blank lines"):
         peers.parse_speculative("\n\n" + prompt + " x\n\n", SPECULATIVE_STDERR, prompt, 16)
+
+
+def test_speculative_tau_counts_target_decodes():
+    r = peers.parse_speculative("\n\nabc d\n\n\n\n", SPECULATIVE_STDERR, "abc", 16)
+    assert r.tau == pytest.approx(17 / (17 - 12))  # each of the 5 decodes gave its accepted drafts + 1
+
+
+def test_peer_command_lines(monkeypatch):
+    monkeypatch.setattr(peers.paths, "tool", lambda name: f"/bin/{name}")
+    cmd = peers.speculative_command("t.gguf", "a\\nb", 8, "draft-dflash", draft="d.gguf", n_max=3, threads=2,
+                                    n_ctx=256)
+    assert cmd[0] == "/bin/llama-speculative-simple"
+    flags = " ".join(cmd[1:])
+    assert "-p a\\nb --no-escape -n 8 -t 2 -tb 2 -c 256 --temp 0 --seed 0 -fa off" in flags
+    assert flags.endswith("--spec-type draft-dflash -md d.gguf -td 2 -tbd 2 --spec-draft-n-max 3")
+    auto = peers.speculative_command("t.gguf", "p", 8, "ngram-simple", threads=1, n_ctx=64, flash_attn="auto",
+                                     extra_args=["-lv", "5"], exe="/tmp/patched")
+    assert auto[0] == "/tmp/patched" and auto[auto.index("-fa") + 1] == "auto" and auto[-2:] == ["-lv", "5"]
+    assert "-md" not in auto
+    with pytest.raises(ValueError, match="draft-dflash needs a draft model"):
+        peers.speculative_command("t.gguf", "p", 8, "draft-dflash", threads=1, n_ctx=64)
+    srv = peers.server_command("t.gguf", port=8080, threads=2, n_ctx=256, n_parallel=4, draft="d.gguf", n_max=1)
+    assert srv == ["/bin/llama-server", "-m", "t.gguf", "--host", "127.0.0.1", "--port", "8080", "-t", "2",
+                   "-tb", "2", "-c", "1024", "-np", "4", "--no-webui", "-fa", "off", "-md", "d.gguf",
+                   "--spec-type", "draft-dflash", "-td", "2", "-tbd", "2", "--spec-draft-n-max", "1"]
+
+
+def test_a_failed_run_reports_its_assert():
+    log = "load: ok\n" + "".join(f"line {i}\n" for i in range(12)) + \
+        "dflash.cpp:42: GGML_ASSERT(inp != nullptr && \"layer input tensor is null\") failed\n" + \
+        "".join(f"#{i} backtrace frame\n" for i in range(10))
+    run = peers.ToolRun(["/bin/llama-speculative-simple"], -6, "", log)
+    assert not run.ok and run.log_tail() == \
+        'dflash.cpp:42: GGML_ASSERT(inp != nullptr && "layer input tensor is null") failed'
+    assert peers.ToolRun(["x"], 0, "", log).log_tail().splitlines() == [f"#{i} backtrace frame" for i in range(2, 10)]
+
+
+def test_a_failing_tool_raises_with_its_last_lines(monkeypatch):
+    monkeypatch.setattr(peers.paths, "tool", lambda name: sys.executable)  # python, asked to run a missing file
+    with pytest.raises(peers.PeerError, match="exited with 2:\n.*can't open file '/nonexistent/in.gguf'"):
+        peers.quantize("/nonexistent/in.gguf", "/nonexistent/out.gguf", "q4_0")
 
 
 def test_peer_exactness_rule():

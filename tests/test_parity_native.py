@@ -1,4 +1,5 @@
-"""llama.cpp's own DFlash graph as a traced peer (runtime/native_draft.h) and its speculative loop."""
+"""llama.cpp's own DFlash graph as a traced peer (runtime/native_draft.h) and its speculative loop
+as parity runs it (dflash_llama.peers with parity's flash-attention setting)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import pytest
 import torch
 
 import dflash_llama
-from dflash_llama import fixtures
+from dflash_llama import fixtures, peers
 from dflash_llama.parity.graph import graph_order, reference_trace, rel_err
-from dflash_llama.parity.native import NativeDraft, speculative_simple
+from dflash_llama.parity.native import FLASH_ATTN, NativeDraft
 from dflash_llama.reference.checkpoint import load_draft
 from dflash_llama.reference.gguf_tensors import target_weights_from_gguf
 
@@ -99,15 +100,20 @@ def test_causal_draft_agrees(tmp_path_factory, tiny_target_hf, tiny_target_gguf,
     assert max(rel_err(ref[n], native[n]) for n in graph_order(1)) <= 1e-4
 
 
+def native_speculative(target, draft, prompt: str, n_predict: int, n_max: int) -> peers.PeerResult:
+    return peers.speculative(target, prompt, n_predict, "draft-dflash", draft=draft, n_max=n_max, threads=1,
+                             n_ctx=256, flash_attn=FLASH_ATTN)
+
+
 def test_speculative_simple_is_lossless_and_parsed(pair, tiny_target_gguf):
     rt = dflash_llama.Runtime(tiny_target_gguf, pair[1], n_threads=1, n_ctx=256)
     text = PROMPTS[1].text
-    spec = speculative_simple(tiny_target_gguf, pair[1], text, 12, 5, n_threads=1, n_ctx=256)
-    plain = speculative_simple(tiny_target_gguf, pair[1], text, 12, 0, n_threads=1, n_ctx=256)
-    assert spec.ok and plain.ok
-    assert spec.n_predict >= 12 and spec.n_drafted > 0
+    spec = native_speculative(tiny_target_gguf, pair[1], text, 12, 5)
+    plain = native_speculative(tiny_target_gguf, pair[1], text, 12, 0)
+    assert "-fa" in spec.command and spec.command[spec.command.index("-fa") + 1] == "auto"
+    assert spec.n_tokens >= 12 and spec.n_drafted > 0
     assert spec.n_drafted % 5 == 0  # every step drafts block_size - 1 tokens
-    assert spec.tau == pytest.approx(spec.n_predict / (spec.n_predict - spec.n_accept))
+    assert spec.tau == pytest.approx(spec.n_tokens / (spec.n_tokens - spec.n_accept))
     assert plain.n_drafted == 0
     assert spec.text and spec.text == plain.text  # greedy: drafts never change the output
     ar = rt.autoregressive(rt.tokenize(text), 12, stop_at_eog=False)
@@ -118,6 +124,5 @@ def test_speculative_simple_aborts_on_last_layer_tap(tmp_path_factory, tiny_targ
     """Finding U2: a tap on the target's last layer aborts llama.cpp's draft-dflash."""
     cfg = fixtures.TinyDraftConfig(layers=1, target_layer_ids=[3], block_size=4, seed=34)
     _, gguf = tiny_draft(tmp_path_factory, tiny_target_hf, tiny_target_gguf, cfg, name="lasttap")
-    r = speculative_simple(tiny_target_gguf, gguf, PROMPTS[0].text, 8, 3, n_threads=1, n_ctx=256)
-    assert not r.ok
-    assert "layer input tensor is null" in r.log_tail
+    with pytest.raises(peers.PeerError, match=r"(?s)llama-speculative-simple exited with .*layer input tensor is null"):
+        native_speculative(tiny_target_gguf, gguf, PROMPTS[0].text, 8, 3)

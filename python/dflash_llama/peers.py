@@ -1,10 +1,14 @@
-"""The pinned llama.cpp tools as peers: plain decoding (`llama-completion`), native DFlash and
-n-gram speculation (`llama-speculative-simple --spec-type ...`). Each run is one subprocess whose
-text and timings are parsed from what the tool prints.
+"""The pinned llama.cpp tools as peers, the one module that runs them: plain decoding
+(`llama-completion`), native DFlash and n-gram speculation (`llama-speculative-simple --spec-type
+...`), serving (`llama-server`'s command line; bench/server.py runs it) and quantisation
+(`llama-quantize`). Each run is one subprocess whose text and timings are parsed from what the tool
+prints; flags are parameters, one parser per tool.
 
-Both tools get the prompt through `-p` with `--no-escape` (`-f` drops a trailing newline, and
-escape processing would rewrite backslashes in code prompts), greedy sampling, the same threads
-and context as our runtime.
+The decoding tools get the prompt through `-p` with `--no-escape` (`-f` drops a trailing newline,
+and escape processing would rewrite backslashes in code prompts), greedy sampling, the caller's
+threads and context, and `-fa off` unless the caller says otherwise: on the CPU, flash attention
+makes a token's logits depend on how its batch was split once the cache passes 256 cells, which no
+exact speculative decoder can afford (our runtime runs without it).
 
 What the tools print, and how it is read:
 - llama-completion (`--no-display-prompt`): stdout is the generated text, then " [end of text]\n"
@@ -15,15 +19,17 @@ What the tools print, and how it is read:
   `decoded N tokens in T seconds` (the prompt's last token is decoded with the first verify, so
   T covers all N tokens). It stops only once it has passed -n, and native DFlash keeps drafting
   its full n_max near the end, so it decodes 1 to n_max+1 tokens past -n: texts are compared as
-  prefixes (`runner.text_matches`).
+  prefixes (`bench.runner.text_matches`).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from . import paths
 
@@ -35,6 +41,25 @@ END_OF_TEXT = " [end of text]\n"
 
 class PeerError(RuntimeError):
     """A peer tool failed or printed something we cannot read."""
+
+
+@dataclass
+class ToolRun:
+    """One finished run of a tool, whatever its exit status."""
+    command: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def log_tail(self) -> str:
+        """The lines that say why a run failed (its asserts and errors), else the log's last lines."""
+        lines = (self.stderr or self.stdout).strip().splitlines()
+        failed = [ln for ln in lines if "GGML_ASSERT" in ln or "error" in ln.lower()]
+        return "\n".join(failed[-3:] if not self.ok and failed else lines[-8:])
 
 
 @dataclass
@@ -52,10 +77,11 @@ class PeerResult:
     def tokens_per_second(self) -> float | None:
         return 1000.0 * self.n_tokens / self.decode_ms if self.decode_ms > 0 else None
 
-    def to_json(self) -> dict:
-        out = asdict(self)
-        out["tokens_per_second"] = self.tokens_per_second
-        return out
+    @property
+    def tau(self) -> float:
+        """Speculative tools: tokens per target decode; each decode produces its accepted drafts plus one."""
+        n_decodes = self.n_tokens - (self.n_accept or 0)
+        return self.n_tokens / n_decodes if n_decodes > 0 else 0.0
 
 
 def _number(pattern: str, text: str, what: str, tool: str) -> float:
@@ -98,51 +124,62 @@ def parse_speculative(stdout: str, stderr: str, prompt: str, n_predict: int) -> 
                       stopped=n_tokens <= n_predict, n_drafted=n_drafted, n_accept=n_accept)
 
 
-def _run(cmd: list[str], timeout_s: float) -> tuple[str, str]:
+def run_tool(cmd: Sequence[str], timeout_s: float = 600.0) -> ToolRun:
+    """Run a tool to its end; a failing exit status is the caller's to judge, a timeout is an error."""
+    cmd = [str(c) for c in cmd]
     try:
         r = subprocess.run(cmd, capture_output=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
         raise PeerError(f"{Path(cmd[0]).name} did not finish within {timeout_s:.0f} s") from e
-    stdout = r.stdout.decode("utf-8", errors="replace")
-    stderr = r.stderr.decode("utf-8", errors="replace")
-    if r.returncode != 0:
-        tail = "\n".join(stderr.strip().splitlines()[-8:])
-        raise PeerError(f"{Path(cmd[0]).name} exited with {r.returncode}:\n{tail}")
-    return stdout, stderr
+    return ToolRun(cmd, r.returncode, r.stdout.decode("utf-8", errors="replace"),
+                   r.stderr.decode("utf-8", errors="replace"))
 
 
-def _common(target: str, prompt: str, n_predict: int, threads: int, n_ctx: int) -> list[str]:
-    # -fa off, as our runtime: on the CPU, flash attention makes a token's logits depend on how its
-    # batch was split once the cache passes 256 cells, which no exact speculative decoder can afford
-    return ["-m", str(target), "-p", prompt, "--no-escape", "-n", str(n_predict), "-t", str(threads),
-            "-tb", str(threads), "-c", str(n_ctx), "--temp", "0", "--seed", "0", "-fa", "off"]
+def _checked(cmd: Sequence[str], timeout_s: float) -> ToolRun:
+    run = run_tool(cmd, timeout_s)
+    if not run.ok:
+        raise PeerError(f"{Path(run.command[0]).name} exited with {run.returncode}:\n{run.log_tail()}")
+    return run
 
 
-def completion(target: str, prompt: str, n_predict: int, *, threads: int, n_ctx: int,
+def _decoding_flags(target, prompt: str, n_predict: int, threads: int, n_ctx: int,
+                    flash_attn: str) -> list[str]:
+    return ["-m", os.fspath(target), "-p", prompt, "--no-escape", "-n", str(n_predict), "-t", str(threads),
+            "-tb", str(threads), "-c", str(n_ctx), "--temp", "0", "--seed", "0", "-fa", flash_attn]
+
+
+def completion(target, prompt: str, n_predict: int, *, threads: int, n_ctx: int, flash_attn: str = "off",
                timeout_s: float = 600.0) -> PeerResult:
     """Plain greedy decoding with the pinned llama-completion."""
-    cmd = [str(paths.tool("llama-completion")), *_common(target, prompt, n_predict, threads, n_ctx),
+    cmd = [str(paths.tool("llama-completion")), *_decoding_flags(target, prompt, n_predict, threads, n_ctx, flash_attn),
            "-no-cnv", "--no-display-prompt"]
-    res = parse_completion(*_run(cmd, timeout_s))
+    res = parse_completion(*_outputs(_checked(cmd, timeout_s)))
     res.command = cmd
     return res
 
 
-def speculative(target: str, prompt: str, n_predict: int, spec_type: str, *, threads: int, n_ctx: int,
-                draft: str | None = None, n_max: int | None = None, extra_args: list[str] | tuple = (),
-                timeout_s: float = 600.0) -> PeerResult:
-    """Greedy speculative decoding with the pinned llama-speculative-simple."""
+def speculative_command(target, prompt: str, n_predict: int, spec_type: str, *, threads: int, n_ctx: int,
+                        draft=None, n_max: int | None = None, flash_attn: str = "off",
+                        extra_args: Sequence[str] = (), exe=None) -> list[str]:
+    """The llama-speculative-simple command line (`exe`: another build of the tool, e.g. a patched one)."""
     if spec_type == "draft-dflash" and draft is None:
         raise ValueError("--spec-type draft-dflash needs a draft model")
-    cmd = [str(paths.tool("llama-speculative-simple")), *_common(target, prompt, n_predict, threads, n_ctx),
-           "--spec-type", spec_type]
+    cmd = [str(exe or paths.tool("llama-speculative-simple")),
+           *_decoding_flags(target, prompt, n_predict, threads, n_ctx, flash_attn), "--spec-type", spec_type]
     if draft is not None:
-        cmd += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
+        cmd += ["-md", os.fspath(draft), "-td", str(threads), "-tbd", str(threads)]
     if n_max is not None:
         cmd += ["--spec-draft-n-max", str(n_max)]
-    cmd += list(extra_args)
-    stdout, stderr = _run(cmd, timeout_s)
-    res = parse_speculative(stdout, stderr, prompt, n_predict)
+    return cmd + list(extra_args)
+
+
+def speculative(target, prompt: str, n_predict: int, spec_type: str, *, threads: int, n_ctx: int,
+                draft=None, n_max: int | None = None, flash_attn: str = "off", extra_args: Sequence[str] = (),
+                timeout_s: float = 600.0) -> PeerResult:
+    """Greedy speculative decoding with the pinned llama-speculative-simple; PeerError if it fails."""
+    cmd = speculative_command(target, prompt, n_predict, spec_type, threads=threads, n_ctx=n_ctx, draft=draft,
+                              n_max=n_max, flash_attn=flash_attn, extra_args=extra_args)
+    res = parse_speculative(*_outputs(_checked(cmd, timeout_s)), prompt, n_predict)
     res.command = cmd
     return res
 
@@ -152,7 +189,7 @@ def speculative(target: str, prompt: str, n_predict: int, spec_type: str, *, thr
 NO_DRAFT_ARGS = ("--spec-ngram-simple-size-n", "1024", "--spec-ngram-simple-size-m", "1024")
 
 
-def speculative_plain(target: str, prompt: str, n_predict: int, *, threads: int, n_ctx: int,
+def speculative_plain(target, prompt: str, n_predict: int, *, threads: int, n_ctx: int,
                       timeout_s: float = 600.0) -> PeerResult:
     """Plain greedy decoding *inside* llama-speculative-simple: the reference its speculative runs
     must reproduce. The tool decodes the prompt without its last token, then that token with the
@@ -165,3 +202,27 @@ def speculative_plain(target: str, prompt: str, n_predict: int, *, threads: int,
         raise PeerError(f"llama-speculative-simple drafted {res.n_drafted} tokens in its no-draft configuration "
                         "(prompt + -n above 2049 tokens?)")
     return res
+
+
+def server_command(target, *, port: int, threads: int, n_ctx: int, n_parallel: int = 1, draft=None,
+                   spec_type: str = "draft-dflash", n_max: int | None = None, flash_attn: str = "off",
+                   extra_args: Sequence[str] = ()) -> list[str]:
+    """The llama-server command line on 127.0.0.1:`port`; `n_ctx` is per slot (the server splits its
+    context between its `n_parallel` slots)."""
+    cmd = [str(paths.tool("llama-server")), "-m", os.fspath(target), "--host", "127.0.0.1", "--port", str(port),
+           "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx * n_parallel), "-np", str(n_parallel),
+           "--no-webui", "-fa", flash_attn]
+    if draft is not None:
+        cmd += ["-md", os.fspath(draft), "--spec-type", spec_type, "-td", str(threads), "-tbd", str(threads)]
+        if n_max is not None:
+            cmd += ["--spec-draft-n-max", str(n_max)]
+    return cmd + list(extra_args)
+
+
+def quantize(src, dst, qtype: str, timeout_s: float = 600.0) -> None:
+    """`llama-quantize src dst QTYPE`; PeerError with the tool's last lines if it fails."""
+    _checked([str(paths.tool("llama-quantize")), os.fspath(src), os.fspath(dst), qtype.upper()], timeout_s)
+
+
+def _outputs(run: ToolRun) -> tuple[str, str]:
+    return run.stdout, run.stderr
