@@ -1,6 +1,6 @@
 """dflash_llama.converter: Hugging Face DFlash draft checkpoints -> GGUF for the pinned llama.cpp.
 
-`gguf_layout` is the one table of DFlash GGUF keys and tensor names; `convert` writes it.
+`dflash_llama.schema` is the one table of DFlash GGUF keys and tensor names; `convert` writes it.
 """
 
 from .checkpoint import ConversionError

@@ -1,4 +1,4 @@
-"""HF DFlash draft -> GGUF, in the layout the pinned llama.cpp reads (see gguf_layout.py).
+"""HF DFlash draft -> GGUF, in the layout the pinned llama.cpp reads (see dflash_llama.schema).
 
 Reads like a llama.cpp conversion class: check everything first (`make_plan`), then write the
 keys, the target's tokenizer and the tensors mapped by the table (`write_gguf`). The values are those of the pinned `convert_hf_to_gguf.py` bit for bit
@@ -8,10 +8,10 @@ rule for which tensors stay f32.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +21,10 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, LlamaFileType
 
-from . import gguf_layout as L
-from .checkpoint import (ConversionError, DraftConfig, SourceTensor, default_target_layer_ids,
-                         parse_config, read_config, read_tensors)
+from dflash_llama import schema as L
+from dflash_llama.schema import DraftHParams
+
+from .checkpoint import ConversionError, SourceTensor, read_config, read_tensors
 from .target import TargetInfo, TokenizerField, read_target
 
 log = logging.getLogger("dflash_llama.converter")
@@ -46,9 +47,8 @@ class Plan:
     """Everything checked and decided before the output file is opened."""
 
     draft_dir: Path
-    config: DraftConfig
+    config: DraftHParams  # target_layer_ids resolved
     target: TargetInfo
-    target_layer_ids: list[int]
     tensors: list[tuple[str, SourceTensor]]  # (GGUF name, source), in writing order
 
 
@@ -85,28 +85,32 @@ def convert(draft_dir: str | os.PathLike, target: str | os.PathLike, out: str | 
 
 def make_plan(draft_dir: Path, target: str | os.PathLike) -> Plan:
     where = str(draft_dir / "config.json")
-    cfg = parse_config(read_config(draft_dir), where)
+    config = read_config(draft_dir)
+    try:
+        cfg = DraftHParams.from_hf_config(config, where)
+    except ValueError as e:
+        raise ConversionError(str(e)) from e
     if (draft_dir / "mask_embedding.pt").exists():
         raise ConversionError(f"{draft_dir}: drafts with their own mask_embedding.pt are not supported yet")
     tensors = read_tensors(draft_dir)
     tgt = read_target(target)
 
-    if cfg.hidden != tgt.hidden:
-        raise ConversionError(f"hidden size mismatch: the draft has hidden_size {cfg.hidden}, "
+    if cfg.n_embd != tgt.hidden:
+        raise ConversionError(f"hidden size mismatch: the draft has hidden_size {cfg.n_embd}, "
                               f"the target {tgt.path} has {tgt.hidden}")
-    if cfg.vocab_size is not None and cfg.vocab_size != tgt.vocab:
-        raise ConversionError(f"vocab size mismatch: the draft has vocab_size {cfg.vocab_size}, "
+    if cfg.n_vocab is not None and cfg.n_vocab != tgt.vocab:
+        raise ConversionError(f"vocab size mismatch: the draft has vocab_size {cfg.n_vocab}, "
                               f"the target {tgt.path} has {tgt.vocab} tokens")
     if cfg.mask_token_id >= tgt.vocab:
         raise ConversionError(f"mask_token_id {cfg.mask_token_id} is outside the target's vocabulary "
                               f"of {tgt.vocab} tokens")
-    if cfg.num_target_layers is not None and cfg.num_target_layers != tgt.n_layer:
+    if cfg.n_layer_target is not None and cfg.n_layer_target != tgt.n_layer:
         raise ConversionError(f"target depth mismatch: the draft was made for a target with "
-                              f"{cfg.num_target_layers} layers (num_target_layers), "
+                              f"{cfg.n_layer_target} layers (num_target_layers), "
                               f"{tgt.path} has {tgt.n_layer}")
     ids = cfg.target_layer_ids
     if ids is None:
-        ids = default_target_layer_ids(cfg.num_target_layers or tgt.n_layer, cfg.n_layer)
+        ids = L.default_target_layer_ids(cfg.n_layer_target or tgt.n_layer, cfg.n_layer)
     bad = [i for i in ids if not 0 <= i < tgt.n_layer]
     if bad:
         raise ConversionError(f"target layer id {bad[0]} is out of range: the target {tgt.path} has "
@@ -117,12 +121,11 @@ def make_plan(draft_dir: Path, target: str | os.PathLike) -> Plan:
                     "input of layer id + 1, which does not exist, and its draft-dflash aborts on this "
                     "file (\"layer input tensor is null\")", tgt.n_layer - 1)
 
-    dims = {"n_embd": cfg.hidden, "n_taps": len(ids), "n_head": cfg.n_head, "n_head_kv": cfg.n_head_kv,
-            "head_dim": cfg.head_dim, "n_ff": cfg.n_ff, "n_vocab": tgt.vocab}
-    return Plan(draft_dir, cfg, tgt, list(ids), _map_tensors(cfg, tensors, dims, draft_dir))
+    cfg = dataclasses.replace(cfg, target_layer_ids=list(ids))
+    return Plan(draft_dir, cfg, tgt, _map_tensors(cfg, tensors, cfg.dims(tgt.vocab), draft_dir))
 
 
-def _map_tensors(cfg: DraftConfig, tensors: dict[str, SourceTensor], dims: dict[str, int],
+def _map_tensors(cfg: DraftHParams, tensors: dict[str, SourceTensor], dims: dict[str, int],
                  draft_dir: Path) -> list[tuple[str, SourceTensor]]:
     mapped = []
     for hf_name, src in tensors.items():
@@ -163,57 +166,15 @@ def _guess_outtype(plan: Plan) -> str:
 def metadata(plan: Plan, file_type: int) -> list[tuple[str, object]]:
     """The model keys in the order the pinned converter writes them (after general.*, before the
     tokenizer)."""
-    cfg = plan.config
-    kv: list[tuple[str, object]] = [
-        (L.BLOCK_COUNT, cfg.n_layer),
-        (L.CONTEXT_LENGTH, cfg.context_length),
-        (L.EMBEDDING_LENGTH, cfg.hidden),
-        (L.FEED_FORWARD_LENGTH, cfg.n_ff),
-        (L.HEAD_COUNT, cfg.n_head),
-        (L.HEAD_COUNT_KV, cfg.n_head_kv),
-    ]
-    if cfg.causal_from_is_causal_false:  # the pinned base class writes this one early
-        kv.append((L.CAUSAL, False))
-    if cfg.rope_linear_factor is not None:
-        kv += [(L.ROPE_SCALING_TYPE, "linear"), (L.ROPE_SCALING_FACTOR, cfg.rope_linear_factor)]
-    kv += [
-        (L.ROPE_FREQ_BASE, cfg.rope_theta),
-        (L.RMS_EPS, cfg.rms_eps),
-        (L.KEY_LENGTH, cfg.head_dim),
-        (L.VALUE_LENGTH, cfg.head_dim),
-        (L.GENERAL_FILE_TYPE, file_type),
-    ]
-    if cfg.partial_rotary_factor is not None:
-        kv.append((L.ROPE_DIMENSION_COUNT, int(cfg.head_dim * cfg.partial_rotary_factor)))
-    if cfg.attention_value_scale is not None:
-        kv.append((L.VALUE_SCALE, cfg.attention_value_scale))
-    kv.append((L.BLOCK_SIZE, cfg.block_size))
-    if cfg.output_multiplier is not None:
-        kv.append((L.LOGIT_SCALE, cfg.output_multiplier))
-    if cfg.final_logit_softcapping is not None:
-        kv.append((L.FINAL_LOGIT_SOFTCAPPING, cfg.final_logit_softcapping))
-    if cfg.input_embedding_scale is not None:
-        kv.append((L.EMBEDDING_SCALE, cfg.input_embedding_scale))
-    kv.append((L.TARGET_LAYERS, L.target_layers_from_ids(plan.target_layer_ids)))
-    if cfg.sliding_window is not None:
-        kv += [(L.SLIDING_WINDOW, cfg.sliding_window), (L.SLIDING_WINDOW_PATTERN, cfg.sliding_window_pattern)]
-    if cfg.causal is not None and not cfg.causal_from_is_causal_false:
-        kv.append((L.CAUSAL, cfg.causal))
-    if plan.target.uses_mrope:  # the draft ropes on the temporal section only
-        kv.append((L.ROPE_DIMENSION_SECTIONS, [cfg.head_dim // 2, 0, 0, 0]))
-    kv.append((L.GENERAL_QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION))
-    return kv
+    return plan.config.to_gguf_kv(file_type, mrope=plan.target.uses_mrope)
 
 
-def tensor_data(name: str, src: SourceTensor, cfg: DraftConfig, qtype: Q) -> tuple[np.ndarray, Q]:
+def tensor_data(name: str, src: SourceTensor, cfg: DraftHParams, qtype: Q) -> tuple[np.ndarray, Q]:
     """One tensor as written: widened to float32, reordered if needed, then stored as `qtype`
     unless the pinned converter keeps it f32; q8_0 falls back to f16 on rows not a multiple of 32."""
     data = src.load_f32()
-    bid = L.layer_index(name)
-    if not cfg.rope_is_neox and bid is not None and name in {t.format(bid=bid) for t in L.ROPE_PERMUTED}:
-        # interleaved RoPE pairs (2i, 2i+1) -> NeoX halves: per head, even dims first, then odd
-        shape = data.shape
-        data = data.reshape(-1, cfg.head_dim // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+    if not cfg.rope_neox and L.is_rope_permuted(name):  # interleaved RoPE pairs -> NeoX halves
+        data = np.ascontiguousarray(data[L.rope_halves_order(data.shape[0], cfg.head_dim)])
     if L.stays_f32(name, data.ndim):
         qtype = Q.F32
     try:
@@ -282,13 +243,12 @@ class _atomic:
 
 
 def _llama_quantize(src: Path, dst: Path, outtype: str) -> None:
-    from dflash_llama import paths
+    from dflash_llama import peers
 
     try:
-        tool = paths.tool("llama-quantize")
+        peers.quantize(src, dst, outtype)
     except (FileNotFoundError, ImportError) as e:
         raise ConversionError(f"--outtype {outtype} needs the pinned llama-quantize: {e}") from e
-    result = subprocess.run([str(tool), str(src), str(dst), outtype.upper()], capture_output=True, text=True)
-    if result.returncode != 0:
-        tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
-        raise ConversionError(f"llama-quantize {outtype.upper()} failed: {tail}")
+    except peers.PeerError as e:
+        tail = " | ".join(str(e).splitlines()[-3:])
+        raise ConversionError(f"llama-quantize {outtype.upper()} failed: {tail}") from e

@@ -17,7 +17,7 @@ from typing import Any
 
 from gguf import GGUFReader, GGUFValueType
 
-from . import gguf_layout as L
+from dflash_llama import schema as L
 from .checkpoint import ConversionError
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dflash_llama.converter import gguf_layout as L
+from dflash_llama import schema as L
 
 from .gguf_edit import copy_gguf
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "draft_config_from_gguf": ".checkpoint", "draft_config_from_hf": ".checkpoint", "load_draft": ".checkpoint",
-    "load_draft_for_target": ".checkpoint",
+    "load_draft": ".checkpoint", "load_draft_for_target": ".checkpoint", "read_hf_config": ".checkpoint",
     "DFlashDraft": ".model", "DraftCache": ".model", "DraftConfig": ".model", "default_target_layer_ids": ".model",
     "GenerationResult": ".speculative", "Sampling": ".speculative", "Step": ".speculative",
     "generate_autoregressive": ".speculative", "generate_speculative": ".speculative",

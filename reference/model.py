@@ -36,69 +36,13 @@ call. The untraced path pays one `is not None` test per name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dflash_llama.converter.checkpoint import default_target_layer_ids  # noqa: F401  (one rule, re-exported)
+from dflash_llama.schema import DraftHParams, default_target_layer_ids, rope_halves_order  # noqa: F401
 
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
-
-
-@dataclass
-class DraftConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    mask_token_id: int
-    target_layer_ids: list[int]
-    block_size: int = 16
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_linear_factor: float = 1.0  # linear RoPE scaling: positions / factor
-    layer_types: list[str] = field(default_factory=list)  # one per layer; empty: all full
-    sliding_window: int | None = None  # window of the sliding layers; None: no window
-    is_causal: bool | None = None  # None: sliding layers causal, full layers not
-    input_embedding_scale: float = 1.0
-    output_multiplier: float = 1.0
-    final_logit_softcapping: float | None = None
-    num_target_layers: int | None = None  # as written in the HF config; GGUFs do not store it
-
-    def __post_init__(self):
-        if not self.layer_types:
-            self.layer_types = [FULL_ATTENTION] * self.num_layers
-        if len(self.layer_types) != self.num_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
-                             f"{self.num_layers} layers")
-        for t in self.layer_types:
-            if t not in (FULL_ATTENTION, SLIDING_ATTENTION):
-                raise ValueError(f"layer type {t!r} is not supported "
-                                 f"(only {FULL_ATTENTION!r} and {SLIDING_ATTENTION!r})")
-        if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(f"{self.num_heads} attention heads are not a multiple of "
-                             f"{self.num_kv_heads} kv heads")
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
-
-    @property
-    def n_taps(self) -> int:
-        return len(self.target_layer_ids)
-
-    def layer_is_causal(self, il: int) -> bool:
-        """The published rule: a sliding layer is causal, a full one is not, unless `is_causal`."""
-        if self.is_causal is not None:
-            return bool(self.is_causal)
-        return self.layer_types[il] == SLIDING_ATTENTION
-
-    def layer_window(self, il: int) -> int | None:
-        return self.sliding_window if self.layer_types[il] == SLIDING_ATTENTION else None
+DraftConfig = DraftHParams  # the model's config is the one draft schema
 
 
 class RMSNorm(nn.Module):
@@ -125,9 +69,9 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
 
 
 def interleaved_to_halves(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """q/k projection rows for interleaved-pair RoPE (2i, 2i+1) reordered for NeoX (rotate-half)
-    RoPE: per head, even dims first, then odd (llama.cpp permutes llama's q/k the other way)."""
-    return w.reshape(-1, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    """q/k projection rows for interleaved-pair RoPE reordered for NeoX (rotate-half) RoPE
+    (`schema.rope_halves_order`, the converter's permutation)."""
+    return w[torch.as_tensor(rope_halves_order(w.shape[0], head_dim))]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -169,23 +113,23 @@ class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig, il: int):
         super().__init__()
         self.il = il
-        self.n_head, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.n_head, self.n_kv, self.head_dim = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         self.is_causal = cfg.layer_is_causal(il)
         self.window = cfg.layer_window(il)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.rms_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.rms_eps)
         self.self_attn = nn.Module()
         a = self.self_attn
-        a.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        a.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        a.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        a.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        a.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        a.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        a.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=False)
+        a.k_proj = nn.Linear(cfg.n_embd, cfg.n_head_kv * cfg.head_dim, bias=False)
+        a.v_proj = nn.Linear(cfg.n_embd, cfg.n_head_kv * cfg.head_dim, bias=False)
+        a.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
+        a.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+        a.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
         self.mlp = nn.Module()
-        self.mlp.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.mlp.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.mlp.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.mlp.gate_proj = nn.Linear(cfg.n_embd, cfg.n_ff, bias=False)
+        self.mlp.up_proj = nn.Linear(cfg.n_embd, cfg.n_ff, bias=False)
+        self.mlp.down_proj = nn.Linear(cfg.n_ff, cfg.n_embd, bias=False)
 
     def context_kv(self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """K (k_norm + RoPE) and V of the projected context c: [n, H] -> [n, n_kv, D] each."""
@@ -248,10 +192,10 @@ class DFlashDraft(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.config = cfg
-        self.fc = nn.Linear(cfg.n_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg, il) for il in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fc = nn.Linear(cfg.n_taps * cfg.n_embd, cfg.n_embd, bias=False)
+        self.hidden_norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg, il) for il in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
         self.embed_tokens: torch.Tensor | None = None  # the target's, [V, H]
         self.lm_head: torch.Tensor | None = None  # the target's, [V, H]
 
@@ -271,17 +215,17 @@ class DFlashDraft(nn.Module):
         """Use the target's token embeddings and output head ([vocab, hidden] each)."""
         cfg = self.config
         for name, w in (("token embeddings", embed_tokens), ("output head", lm_head)):
-            if w.dim() != 2 or w.shape[1] != cfg.hidden_size:
-                raise ValueError(f"draft hidden size {cfg.hidden_size} does not match the target's "
+            if w.dim() != 2 or w.shape[1] != cfg.n_embd:
+                raise ValueError(f"draft hidden size {cfg.n_embd} does not match the target's "
                                  f"{name} of shape {tuple(w.shape)}")
-            if w.shape[0] != cfg.vocab_size:
-                raise ValueError(f"draft vocab size {cfg.vocab_size} does not match the target's "
+            if w.shape[0] != cfg.n_vocab:
+                raise ValueError(f"draft vocab size {cfg.n_vocab} does not match the target's "
                                  f"{name} with {w.shape[0]} rows")
         dtype = self.fc.weight.dtype
         self.embed_tokens, self.lm_head = embed_tokens.to(dtype), lm_head.to(dtype)
 
     def new_cache(self) -> DraftCache:
-        return DraftCache(self.config.num_layers)
+        return DraftCache(self.config.n_layer)
 
     def forward(self, ctx_feat: torch.Tensor, block_ids: torch.Tensor | list[int], start: int,
                 cache: DraftCache | None = None, trace: dict | None = None) -> torch.Tensor:
@@ -297,9 +241,9 @@ class DFlashDraft(nn.Module):
             raise RuntimeError("attach_target(embed_tokens, lm_head) must be called first")
         block_ids = torch.as_tensor(block_ids, dtype=torch.long)
         dtype = self.fc.weight.dtype
-        if ctx_feat.dim() != 2 or ctx_feat.shape[1] != cfg.n_taps * cfg.hidden_size:
+        if ctx_feat.dim() != 2 or ctx_feat.shape[1] != cfg.n_taps * cfg.n_embd:
             raise ValueError(f"ctx_feat has shape {tuple(ctx_feat.shape)}, expected "
-                             f"[n, {cfg.n_taps * cfg.hidden_size}] ({cfg.n_taps} taps)")
+                             f"[n, {cfg.n_taps * cfg.n_embd}] ({cfg.n_taps} taps)")
         ctx_feat = ctx_feat.to(dtype)
         n, b = ctx_feat.shape[0], block_ids.shape[0]
         if cache is not None and len(cache) != start - n:
@@ -308,13 +252,13 @@ class DFlashDraft(nn.Module):
 
         ctx_pos = torch.arange(start - n, start)
         blk_pos = torch.arange(start, start + b)
-        rope = (cfg.head_dim, cfg.rope_theta, dtype, cfg.rope_linear_factor)
+        rope = (cfg.head_dim, cfg.rope_freq_base, dtype, cfg.rope_linear_factor or 1.0)
         ctx_cos, ctx_sin = rope_cos_sin(ctx_pos, *rope)
         blk_cos, blk_sin = rope_cos_sin(blk_pos, *rope)
 
         fc_out = self.fc(ctx_feat)
         c = self.hidden_norm(fc_out)  # the projected context, [n, H]
-        x = F.embedding(block_ids, self.embed_tokens) * cfg.input_embedding_scale
+        x = F.embedding(block_ids, self.embed_tokens) * (1.0 if cfg.embedding_scale is None else cfg.embedding_scale)
         if trace is not None:
             trace["fc_out"], trace["inp_g_embeddings"], trace["inp_noise_embd"] = fc_out, c, x
 
@@ -342,8 +286,9 @@ class DFlashDraft(nn.Module):
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """output_multiplier, then tanh soft-cap: the published compute_logits."""
         cfg = self.config
-        logits = logits * cfg.output_multiplier
-        cap = cfg.final_logit_softcapping
+        if cfg.logit_scale is not None:
+            logits = logits * cfg.logit_scale
+        cap = cfg.logit_softcap
         if cap is not None and cap > 0:
             logits = torch.tanh(logits / cap) * cap
         return logits

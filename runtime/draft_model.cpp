@@ -94,6 +94,36 @@ struct gguf_keys {
     }
 };
 
+// The refusal list of dflash_llama/schema.py (REFUSALS): keys the pinned llama.cpp reads and this
+// runtime does not implement. tests/test_schema.py holds the two lists to the same entries.
+void refuse_unsupported(const gguf_context * ctx, const gguf_keys & kv, const std::string & path) {
+    for (const char * key : { "dflash.conv_kernel_size", "dflash.conv_group_size", "dflash.selector_rank",
+                              "dflash.selector_top_k" }) {
+        if (kv.find(key) >= 0) {
+            fail(path, std::string("'") + key + "': DFlash2 drafts (convolutions + candidate selector) are not supported yet");
+        }
+    }
+    for (const char * key : { "dflash.attention.value_scale", "dflash.attention.scale", "dflash.rope.dimension_sections",
+                              "dflash.has_confidence_head", "dflash.hyper_connection.count" }) {
+        if (kv.find(key) >= 0) {
+            fail(path, std::string("'") + key + "' is not supported by this runtime yet");
+        }
+    }
+    const int64_t act_id = kv.find("dflash.hidden_activation");
+    if (act_id >= 0 && (gguf_get_kv_type(ctx, act_id) != GGUF_TYPE_STRING ||
+                        std::string(gguf_get_val_str(ctx, act_id)) != "silu")) {
+        if (gguf_get_kv_type(ctx, act_id) != GGUF_TYPE_STRING) {
+            fail(path, "'dflash.hidden_activation' is not a string");
+        }
+        fail(path, std::string("'dflash.hidden_activation' is '") + gguf_get_val_str(ctx, act_id) +
+                   "': only silu FFNs are supported");
+    }
+    const int64_t anchor_id = kv.find("dflash.sample_from_anchor");
+    if (anchor_id >= 0 && (gguf_get_kv_type(ctx, anchor_id) != GGUF_TYPE_BOOL || gguf_get_val_bool(ctx, anchor_id))) {
+        fail(path, "'dflash.sample_from_anchor' is true: DSpark drafts are not supported yet");
+    }
+}
+
 draft_hparams read_hparams(const gguf_context * ctx, const std::string & path) {
     const gguf_keys kv{ctx, path};
 
@@ -102,19 +132,18 @@ draft_hparams read_hparams(const gguf_context * ctx, const std::string & path) {
     if (arch != "dflash") {
         fail(path, "general.architecture is '" + arch + "', expected 'dflash' (a DFlash draft GGUF)");
     }
-    if (kv.find("dflash.selector_rank") >= 0 || kv.find("dflash.conv_kernel_size") >= 0) {
-        fail(path, "DFlash2 drafts (convolutions + candidate selector) are not supported yet");
-    }
+    refuse_unsupported(ctx, kv, path);
 
     draft_hparams hp;
     hp.n_embd      = kv.u32("dflash.embedding_length");
     hp.n_layer     = kv.u32("dflash.block_count");
     hp.n_head      = kv.u32("dflash.attention.head_count");
-    hp.n_head_kv   = kv.u32("dflash.attention.head_count_kv");
+    hp.n_head_kv   = kv.u32_or("dflash.attention.head_count_kv", hp.n_head);
     hp.head_dim    = kv.u32_or("dflash.attention.key_length", hp.n_head > 0 ? hp.n_embd / hp.n_head : 0);
-    if (kv.u32_or("dflash.attention.value_length", hp.head_dim) != hp.head_dim ||
-        kv.u32_or("dflash.rope.dimension_count", hp.head_dim) != hp.head_dim) {
-        fail(path, "value_length or rope.dimension_count different from key_length is not supported yet");
+    for (const char * key : { "dflash.attention.value_length", "dflash.rope.dimension_count" }) {
+        if (kv.u32_or(key, hp.head_dim) != hp.head_dim) {
+            fail(path, std::string("'") + key + "' different from key_length is not supported yet");
+        }
     }
     hp.n_ff        = kv.u32("dflash.feed_forward_length");
     hp.block_size  = kv.u32_or("dflash.block_size", 16);
@@ -128,12 +157,7 @@ draft_hparams read_hparams(const gguf_context * ctx, const std::string & path) {
         }
         hp.rope_freq_scale = 1.0f / factor;
     } else if (scaling != "none") {
-        fail(path, "RoPE scaling '" + scaling + "' is not supported (only none and linear)");
-    }
-    for (const char * key : { "dflash.attention.value_scale", "dflash.attention.scale", "dflash.rope.dimension_sections" }) {
-        if (kv.find(key) >= 0) {
-            fail(path, std::string("'") + key + "' is not supported by this runtime yet");
-        }
+        fail(path, "'dflash.rope.scaling.type' is '" + scaling + "': only none and linear RoPE scaling are supported");
     }
     hp.rms_eps         = kv.f32("dflash.attention.layer_norm_rms_epsilon");
     hp.embedding_scale = kv.f32_or("dflash.embedding_scale", 1.0f);
@@ -146,13 +170,14 @@ draft_hparams read_hparams(const gguf_context * ctx, const std::string & path) {
     hp.sliding_window = kv.u32_or("dflash.attention.sliding_window", 0);
     hp.swa_layers.assign(hp.n_layer, false);
     if (hp.sliding_window > 0) {
-        if (kv.find("dflash.attention.sliding_window_pattern") >= 0) {
-            const auto pattern = kv.int_array("dflash.attention.sliding_window_pattern");
-            for (int32_t il = 0; il < hp.n_layer && il < (int32_t) pattern.size(); ++il) {
-                hp.swa_layers[il] = pattern[il] != 0;
-            }
-        } else {
-            hp.swa_layers.assign(hp.n_layer, true);
+        // llama.cpp requires the pattern with a window
+        const auto pattern = kv.int_array("dflash.attention.sliding_window_pattern");
+        if ((int32_t) pattern.size() != hp.n_layer) {
+            fail(path, "'dflash.attention.sliding_window_pattern' has " + std::to_string(pattern.size()) +
+                       " entries for " + std::to_string(hp.n_layer) + " layers");
+        }
+        for (int32_t il = 0; il < hp.n_layer; ++il) {
+            hp.swa_layers[il] = pattern[il] != 0;
         }
     }
 
@@ -185,6 +210,28 @@ draft_hparams read_hparams(const gguf_context * ctx, const std::string & path) {
         fail(path, "dflash.target_layers is empty");
     }
     return hp;
+}
+
+// Every tensor must be one this runtime reads: a d2t, DFlash2, DSpark or extra per-layer tensor
+// changes what llama.cpp computes, and ignoring it would be a silent wrong answer.
+void refuse_unknown_tensors(const gguf_context * ctx, int32_t n_layer, const std::string & path) {
+    static const char * const layer_names[] = { "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+        "attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight", "ffn_norm.weight", "ffn_gate.weight",
+        "ffn_up.weight", "ffn_down.weight" };
+    for (int64_t i = 0; i < gguf_get_n_tensors(ctx); ++i) {
+        const std::string name = gguf_get_tensor_name(ctx, i);
+        bool known = name == "fc.weight" || name == "enc.output_norm.weight" || name == "output_norm.weight" ||
+                     name == "token_embd.weight" || name == "output.weight";
+        for (int32_t il = 0; il < n_layer && !known; ++il) {
+            for (const char * suffix : layer_names) {
+                known = known || name == "blk." + std::to_string(il) + "." + suffix;
+            }
+        }
+        if (!known) {
+            fail(path, "tensor '" + name + "' is not supported by this runtime (reduced-vocabulary d2t, DFlash2, "
+                       "DSpark or extra per-layer tensors)");
+        }
+    }
 }
 
 } // namespace
@@ -230,6 +277,7 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
         }
         return t;
     };
+    refuse_unknown_tensors(gguf.get(), hp.n_layer, path);
     const int64_t n_embd = hp.n_embd, q_dim = (int64_t) hp.n_head * hp.head_dim, kv_dim = (int64_t) hp.n_head_kv * hp.head_dim;
     draft.fc          = tensor("fc.weight", { hp.n_taps() * n_embd, n_embd });
     draft.hidden_norm = tensor("enc.output_norm.weight", { n_embd });

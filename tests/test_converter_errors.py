@@ -45,7 +45,7 @@ def test_no_dflash_config(draft, tiny_target_hf, tmp_path):
 
 def test_no_mask_token_id(draft, tiny_target_hf, tmp_path):
     edit_config(draft, dflash_config={"target_layer_ids": [1]})
-    fails(draft, tiny_target_hf, tmp_path, r"config\.json: no mask token id \(dflash_config\.mask_token_id\)")
+    fails(draft, tiny_target_hf, tmp_path, r"config\.json: no mask_token_id \(dflash_config\.mask_token_id\)")
 
 
 def test_mask_token_id_outside_the_vocabulary(draft, tiny_target_hf, tmp_path):
@@ -56,7 +56,7 @@ def test_mask_token_id_outside_the_vocabulary(draft, tiny_target_hf, tmp_path):
 
 def test_dflash2_is_not_supported_yet(draft, tiny_target_hf, tmp_path):
     edit_config(draft, architectures=["DFlash2DraftModel"])
-    fails(draft, tiny_target_hf, tmp_path, r"DFlash2 drafts are not supported yet")
+    fails(draft, tiny_target_hf, tmp_path, r"config\.json: DFlash 2 drafts are not supported yet")
 
 
 def test_foreign_architecture(draft, tiny_target_hf, tmp_path):
@@ -220,12 +220,12 @@ def test_failure_while_writing_leaves_nothing_and_keeps_an_old_file(draft, tiny_
     assert out.read_bytes() == b"previous conversion"
 
 
-def test_cli_prints_one_error_line_and_exits_1(draft, tiny_target_hf, tmp_path, capsys):
+def test_cli_prints_one_error_line_and_exits_2(draft, tiny_target_hf, tmp_path, capsys):
     edit_config(draft, architectures=["DFlash2DraftModel"])
     out = tmp_path / "x.gguf"
     rc = cli.main(["convert", str(draft), "--target", str(tiny_target_hf), "-o", str(out)])
     err = capsys.readouterr().err
-    assert rc == 1
+    assert rc == 2
     assert err.startswith("dflash-llama convert: error: ")
     assert "DFlash2 drafts are not supported yet" in err
     assert err.count("\n") == 1

@@ -1,4 +1,4 @@
-"""The layout table (converter/gguf_layout.py) against the pinned llama.cpp's own names and the docs."""
+"""The layout table (dflash_llama/schema.py) against the pinned llama.cpp's own names and the docs."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from dflash_llama import paths
-from dflash_llama.converter import gguf_layout as L
-from dflash_llama.converter.checkpoint import default_target_layer_ids
+from dflash_llama import schema as L
+from dflash_llama.schema import default_target_layer_ids
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "gguf_layout.md"
 
@@ -45,7 +45,7 @@ def pinned_names():
 def test_every_key_is_a_pinned_key(pinned_names):
     assert pinned_names["arch"] == L.ARCH == "dflash"
     ours = {k.key for k in L.KEYS}
-    assert len(ours) == len(L.KEYS) == 29
+    assert len(ours) == len(L.KEYS) == 38
     assert sorted(ours - set(pinned_names["keys"])) == []
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from dflash_llama import fixtures, gguf_info, paths
 from dflash_llama.converter import convert
-from dflash_llama.converter import gguf_layout as L
+from dflash_llama import schema as L
 
 pytestmark = pytest.mark.peer
 

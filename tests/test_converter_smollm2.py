@@ -6,7 +6,7 @@ import pytest
 
 from dflash_llama import gguf_info
 from dflash_llama.converter import convert
-from dflash_llama.converter import gguf_layout as L
+from dflash_llama import schema as L
 
 TEXTS = [
     "ha ha ha ha",

@@ -11,7 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from dflash_llama.converter import gguf_layout as L
+from dflash_llama import schema as L
 from dflash_llama.parity import bounds as B
 from dflash_llama.parity import report as R
 from dflash_llama.parity.graph import first_reader, graph_order

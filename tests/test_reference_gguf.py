@@ -29,7 +29,7 @@ def as_f32(cfg):
 def assert_same_draft(from_hf, from_gguf):
     """Same config (the GGUF lacks num_target_layers, stores floats as f32), same weights, and
     bit-identical logits."""
-    assert from_gguf.config == as_f32(dataclasses.replace(from_hf.config, num_target_layers=None))
+    assert from_gguf.config == as_f32(dataclasses.replace(from_hf.config, n_layer_target=None))
     for (name, a), (_, b) in zip(from_hf.named_parameters(), from_gguf.named_parameters()):
         assert torch.equal(a, b), name
     feat = torch.randn(4, from_hf.config.n_taps * 64, generator=torch.Generator().manual_seed(3))
@@ -71,7 +71,7 @@ def test_gguf_errors(tiny_target_gguf, tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="bare.gguf: missing GGUF key 'dflash.attention.key_length'"):
+    with pytest.raises(ValueError, match="bare.gguf: missing GGUF key 'dflash.embedding_length'"):
         load_draft(bare)
     junk = tmp_path / "junk.gguf"
     junk.write_text("not a model\n")

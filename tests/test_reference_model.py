@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from dflash_llama import fixtures
-from dflash_llama.reference import (DraftConfig, default_target_layer_ids, draft_config_from_hf,
-                                    load_draft, load_draft_for_target)
+from dflash_llama.reference import (DraftConfig, default_target_layer_ids, load_draft, load_draft_for_target,
+                                    read_hf_config)
+from dflash_llama.schema import DraftHParams
 
 dm = pytest.importorskip("dflash.model")  # the published reference, installed --no-deps
 
@@ -69,12 +70,12 @@ def test_draft_logits_match_published(name, reference_drafts, reference_target):
 
 def test_config_reading_rules(reference_drafts):
     cfg = load_draft(reference_drafts["noncausal_window_scales"]).config
-    assert (cfg.block_size, cfg.input_embedding_scale, cfg.output_multiplier,
-            cfg.final_logit_softcapping) == (5, 1.5, 0.7, 4.0)  # dflash_config wins
-    assert cfg.is_causal is False and cfg.sliding_window == 3
+    assert (cfg.block_size, cfg.embedding_scale, cfg.logit_scale,
+            cfg.logit_softcap) == (5, 1.5, 0.7, 4.0)  # dflash_config wins
+    assert cfg.causal is False and cfg.sliding_window == 3
     assert [cfg.layer_is_causal(i) for i in range(2)] == [False, False]
     cfg = load_draft(reference_drafts["sliding_default_taps"]).config
-    assert cfg.rope_theta == 1e6  # from rope_parameters
+    assert cfg.rope_freq_base == 1e6  # from rope_parameters
     assert cfg.target_layer_ids == [1, 1, 1]  # the default rule for 3 draft layers, 4 target
     assert [cfg.layer_is_causal(i) for i in range(3)] == [False, True, False]
     assert [cfg.layer_window(i) for i in range(3)] == [None, 4, None]
@@ -101,12 +102,12 @@ def _base_config(**over) -> dict:
 def test_sliding_window_needs_use_sliding_window():
     # transformers' Qwen3Config: without use_sliding_window the window is dropped, the layer
     # types stay, so a "sliding" layer is causal with no window (what the published model does)
-    cfg = draft_config_from_hf(_base_config(layer_types=["sliding_attention", "full_attention"],
+    cfg = DraftHParams.from_hf_config(_base_config(layer_types=["sliding_attention", "full_attention"],
                                             sliding_window=8))
     assert cfg.sliding_window is None and cfg.layer_is_causal(0) and cfg.layer_window(0) is None
-    cfg = draft_config_from_hf(_base_config(use_sliding_window=True, sliding_window=8,
+    cfg = DraftHParams.from_hf_config(_base_config(use_sliding_window=True, sliding_window=8,
                                             max_window_layers=1))
-    assert cfg.layer_types == ["full_attention", "sliding_attention"]
+    assert cfg.swa_layers == [False, True]
     assert cfg.layer_window(1) == 8
 
 
@@ -119,18 +120,19 @@ def test_sliding_window_needs_use_sliding_window():
     ({"layer_types": ["full_attention"]}, "layer_types has 1 entries for 2 layers"),
     ({"num_key_value_heads": 3}, "4 attention heads are not a multiple of 3 kv heads"),
 ])
-def test_bad_config_errors(over, message):
+def test_bad_config_errors(over, message, tmp_path):
     cfg = _base_config(**over)
     cfg = {k: v for k, v in cfg.items() if v is not None}
-    with pytest.raises(ValueError, match=message):
-        draft_config_from_hf(cfg, source="d/config.json")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"config.json: {message}"):
+        read_hf_config(tmp_path)
 
 
 @torch.no_grad()
 def test_trace_records_every_intermediate(reference_drafts, reference_target):
     draft = load_draft_for_target(reference_drafts["gqa4_last_layer_tap"], reference_target)
     cfg: DraftConfig = draft.config
-    feat = torch.randn(5, cfg.n_taps * cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    feat = torch.randn(5, cfg.n_taps * cfg.n_embd, generator=torch.Generator().manual_seed(1))
     block = [17, 0, 0, 0]
     plain = draft(feat, block, 5, draft.new_cache())
     trace: dict = {}
@@ -138,14 +140,14 @@ def test_trace_records_every_intermediate(reference_drafts, reference_target):
     traced = draft(feat, block, 5, cache, trace=trace)
     assert torch.equal(plain, traced)  # tracing never changes the result
 
-    h, b, n, d = cfg.hidden_size, 4, 5, cfg.head_dim
+    h, b, n, d = cfg.n_embd, 4, 5, cfg.head_dim
     shapes = {"fc_out": (n, h), "inp_g_embeddings": (n, h), "inp_noise_embd": (b, h),
-              "result_norm": (b, h), "result_output": (b, cfg.vocab_size)}
-    for il in range(cfg.num_layers):
-        shapes.update({f"Kcur_injected-{il}": (n, cfg.num_kv_heads, d),
-                       f"Vcur_injected-{il}": (n, cfg.num_kv_heads, d),
-                       f"noise_norm-{il}": (b, h), f"Qcur-{il}": (b, cfg.num_heads, d),
-                       f"Kcur-{il}": (b, cfg.num_kv_heads, d), f"Vcur-{il}": (b, cfg.num_kv_heads, d),
+              "result_norm": (b, h), "result_output": (b, cfg.n_vocab)}
+    for il in range(cfg.n_layer):
+        shapes.update({f"Kcur_injected-{il}": (n, cfg.n_head_kv, d),
+                       f"Vcur_injected-{il}": (n, cfg.n_head_kv, d),
+                       f"noise_norm-{il}": (b, h), f"Qcur-{il}": (b, cfg.n_head, d),
+                       f"Kcur-{il}": (b, cfg.n_head_kv, d), f"Vcur-{il}": (b, cfg.n_head_kv, d),
                        f"ffn_inp-{il}": (b, h), f"ffn_norm-{il}": (b, h), f"ffn_out-{il}": (b, h),
                        f"l_out-{il}": (b, h)})
     assert {k: tuple(v.shape) for k, v in trace.items()} == shapes
@@ -156,7 +158,7 @@ def test_trace_records_every_intermediate(reference_drafts, reference_target):
     assert torch.equal(trace["l_out-0"], trace["ffn_inp-0"] + trace["ffn_out-0"])
     assert torch.equal(trace["noise_norm-1"], draft.layers[1].input_layernorm(trace["l_out-0"]))
     assert torch.equal(trace["Kcur_injected-1"], cache.keys[1])  # cached K is after norm + RoPE
-    assert torch.equal(trace["result_norm"], draft.norm(trace[f"l_out-{cfg.num_layers - 1}"]))
+    assert torch.equal(trace["result_norm"], draft.norm(trace[f"l_out-{cfg.n_layer - 1}"]))
     assert rel(trace["result_output"][1:], plain) < 1e-6  # raw head logits; multiplier 1 here
 
 
@@ -165,7 +167,7 @@ def test_rope_is_applied_to_traced_q_and_k(reference_drafts, reference_target):
     """Qcur / Kcur are recorded after RoPE: at position 0 RoPE is the identity."""
     draft = load_draft_for_target(reference_drafts["gqa4_last_layer_tap"], reference_target)
     a = draft.layers[0].self_attn
-    feat = torch.zeros(0, draft.config.n_taps * draft.config.hidden_size)
+    feat = torch.zeros(0, draft.config.n_taps * draft.config.n_embd)
     for start, same in ((0, True), (3, False)):
         trace: dict = {}
         draft(feat, [17, 0, 0, 0], start, trace=trace)

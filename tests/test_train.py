@@ -272,7 +272,7 @@ def test_a_checkpoint_grows_into_a_deeper_draft_that_computes_the_same(dataset, 
           progress=False, threads=2, init=first)
     t = target_weights_from_gguf(tiny_target_gguf)
     small, grown = (load_draft(d, t.embed_tokens, t.lm_head) for d in (first, grown_dir))
-    assert grown.config.num_layers == 3
+    assert grown.config.n_layer == 3
     new = grown.layers[2].state_dict()
     assert torch.count_nonzero(new["self_attn.o_proj.weight"]) == 0
     assert torch.count_nonzero(new["mlp.down_proj.weight"]) == 0
@@ -293,10 +293,10 @@ def test_a_checkpoint_grows_into_a_deeper_draft_that_computes_the_same(dataset, 
 
 
 @pytest.mark.parametrize("extra, rc, message", [
-    (["--init", "/nonexistent-draft"], 1, "--init /nonexistent-draft: no draft checkpoint there (config.json)"),
+    (["--init", "/nonexistent-draft"], 2, "--init /nonexistent-draft: no draft checkpoint there (config.json)"),
     (["--eval-only", "--eval-engines", "bogus"], 2, "--eval-engines takes runtime, native, published; got 'bogus'"),
-    (["--eval-only"], 1, "no checkpoint in"),
-    (["--eval-only", "--extra-data", "/nonexistent-set"], 1, "/nonexistent-set: not a dataset (no manifest.json)"),
+    (["--eval-only"], 2, "no checkpoint in"),
+    (["--eval-only", "--extra-data", "/nonexistent-set"], 2, "/nonexistent-set: not a dataset (no manifest.json)"),
     (["--target-layer-ids", "1,99"], 2, "target layer 99 is outside the target's 4 layers"),
     (["--distill", "1.5"], 2, "--distill is a weight between 0 and 1, got 1.5"),
     (["--gamma", "-1"], 2, "--gamma must be positive (0: the published value), got -1.0"),

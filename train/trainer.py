@@ -68,12 +68,12 @@ class TrainConfig:
 
 def draft_config(cfg: TrainConfig, t: TargetWeights) -> DraftConfig:
     return DraftConfig(
-        hidden_size=t.embed_tokens.shape[1], intermediate_size=cfg.ffn or t.ffn, num_layers=cfg.layers,
-        num_heads=cfg.heads or t.n_heads, num_kv_heads=cfg.kv_heads or t.n_kv_heads,
-        head_dim=cfg.head_dim or t.head_dim, vocab_size=t.embed_tokens.shape[0],
+        n_embd=t.embed_tokens.shape[1], n_ff=cfg.ffn or t.ffn, n_layer=cfg.layers,
+        n_head=cfg.heads or t.n_heads, n_head_kv=cfg.kv_heads or t.n_kv_heads,
+        head_dim=cfg.head_dim or t.head_dim, n_vocab=t.embed_tokens.shape[0],
         mask_token_id=cfg.mask_token_id, target_layer_ids=list(cfg.target_layer_ids),
-        block_size=cfg.block_size, rms_norm_eps=1e-6, rope_theta=t.rope_theta,
-        num_target_layers=t.n_layers)
+        block_size=cfg.block_size, rms_eps=1e-6, rope_freq_base=t.rope_theta,
+        n_layer_target=t.n_layers, n_ctx_train=8192)
 
 
 def init_draft(dcfg: DraftConfig, seed: int) -> DFlashDraft:
@@ -101,7 +101,7 @@ def block_hidden(draft: DFlashDraft, feats: torch.Tensor, tokens: torch.Tensor,
     dtype = draft.fc.weight.dtype
     ctx_pos = torch.arange(L)
     blk_pos = (anchors[:, None] + torch.arange(B)[None, :]).reshape(-1)  # [M*B]
-    rope = (cfg.head_dim, cfg.rope_theta, dtype, cfg.rope_linear_factor)
+    rope = (cfg.head_dim, cfg.rope_freq_base, dtype, cfg.rope_linear_factor or 1.0)
     ctx_cos, ctx_sin = rope_cos_sin(ctx_pos, *rope)
     blk_cos, blk_sin = rope_cos_sin(blk_pos, *rope)
 
@@ -113,7 +113,7 @@ def block_hidden(draft: DFlashDraft, feats: torch.Tensor, tokens: torch.Tensor,
 
     block_ids = torch.full((M, B), cfg.mask_token_id, dtype=torch.long)
     block_ids[:, 0] = tokens[anchors]
-    x = F.embedding(block_ids.reshape(-1), draft.embed_tokens) * cfg.input_embedding_scale
+    x = F.embedding(block_ids.reshape(-1), draft.embed_tokens) * (1.0 if cfg.embedding_scale is None else cfg.embedding_scale)
     c = draft.hidden_norm(draft.fc(feats.to(dtype)))
     for layer in draft.layers:
         k_ctx, v_ctx = layer.context_kv(c, ctx_cos, ctx_sin)
@@ -273,19 +273,8 @@ def save_checkpoint(draft: DFlashDraft, out: Path, extra_config: dict | None = N
     """The published HF format: config.json + model.safetensors (bf16), no `model.` prefix."""
     from safetensors.torch import save_file
 
-    cfg = draft.config
     out.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": 8192, "tie_word_embeddings": False, "attention_bias": False,
-        "attention_dropout": 0.0, "block_size": cfg.block_size,
-        "num_target_layers": cfg.num_target_layers, "torch_dtype": "bfloat16",
-        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
-    }
+    config = draft.config.to_hf_config(torch_dtype="bfloat16")
     config.update(extra_config or {})
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in draft.state_dict().items()}
     tmp = out / "model.safetensors.tmp"
@@ -313,21 +302,66 @@ def _load_init(draft: DFlashDraft, init: str | os.PathLike, t: TargetWeights) ->
 
     start = load_draft(init, t.embed_tokens, t.lm_head)
     mine, theirs = draft.config, start.config
-    for key in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "block_size",
-                "target_layer_ids"):
+    for key in ("n_embd", "n_ff", "n_head", "n_head_kv", "block_size", "target_layer_ids"):
         if getattr(mine, key) != getattr(theirs, key):
             raise ValueError(f"--init {init}: its {key} is {getattr(theirs, key)}, this training's is "
                              f"{getattr(mine, key)}")
-    if theirs.num_layers > mine.num_layers:
-        raise ValueError(f"--init {init}: it has {theirs.num_layers} layers, this training's draft "
-                         f"{mine.num_layers} (a draft can grow, not shrink)")
+    if theirs.n_layer > mine.n_layer:
+        raise ValueError(f"--init {init}: it has {theirs.n_layer} layers, this training's draft "
+                         f"{mine.n_layer} (a draft can grow, not shrink)")
     last = start.layers[-1].state_dict()
     state = start.state_dict()
-    for il in range(theirs.num_layers, mine.num_layers):
+    for il in range(theirs.n_layer, mine.n_layer):
         for name, value in last.items():
             zero = name in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
             state[f"layers.{il}.{name}"] = torch.zeros_like(value) if zero else value.clone()
     draft.load_state_dict(state)
+
+
+def load_sequences(data_dirs: list, cfg: TrainConfig) -> list:
+    """Every sequence of the datasets, a prompt in two datasets once; their target layers must be cfg's."""
+    from .data import iter_sequences
+
+    sequences = []
+    for data_dir in data_dirs:
+        manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
+        if list(manifest["layer_ids"]) != list(cfg.target_layer_ids):
+            raise ValueError(f"{data_dir} holds features of target layers {manifest['layer_ids']}, "
+                             f"not {cfg.target_layer_ids}: build it with the same --target-layer-ids "
+                             f"(the default depends on --layers)")
+        sequences += list(iter_sequences(data_dir))
+    unique = {seq[0].tobytes(): seq for seq in sequences}  # a prompt in two datasets is one sequence
+    return list(unique.values())
+
+
+def subset_index(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Position of each token in the loss's vocabulary subset, -1 outside it."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long)
+    index[vocab] = torch.arange(len(vocab))
+    return index
+
+
+def lr_schedule(opt, warmup_fraction: float, total_steps: int):
+    """Linear warmup, then cosine decay to 0 at total_steps."""
+    warmup = max(1, int(warmup_fraction * total_steps))
+
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total_steps - warmup))))
+        return min((s + 1) / warmup, cosine)
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def distill_teacher(cfg: TrainConfig, target_gguf, t: TargetWeights):
+    """(the target's layers after its deepest tap, in PyTorch; that tap's slice of the features)."""
+    from dflash_llama.reference.target_tail import TargetTail
+
+    deepest = max(cfg.target_layer_ids)
+    tail = TargetTail(target_gguf, deepest + 1, t.lm_head)
+    i = list(cfg.target_layer_ids).index(deepest)
+    return tail, slice(i * t.embed_tokens.shape[1], (i + 1) * t.embed_tokens.shape[1])
 
 
 def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, out_dir: str | os.PathLike,
@@ -340,23 +374,12 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
     """
     from tqdm import tqdm
 
-    from .data import iter_sequences
-
     if threads:
         torch.set_num_threads(threads)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data_dirs = [data_dirs] if isinstance(data_dirs, (str, os.PathLike)) else list(data_dirs)
-    sequences = []
-    for data_dir in data_dirs:
-        manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
-        if list(manifest["layer_ids"]) != list(cfg.target_layer_ids):
-            raise ValueError(f"{data_dir} holds features of target layers {manifest['layer_ids']}, "
-                             f"not {cfg.target_layer_ids}: build it with the same --target-layer-ids "
-                             f"(the default depends on --layers)")
-        sequences += list(iter_sequences(data_dir))
-    unique = {seq[0].tobytes(): seq for seq in sequences}  # a prompt in two datasets is one sequence
-    sequences = list(unique.values())
+    sequences = load_sequences(data_dirs, cfg)
     t = target_weights_from_gguf(target_gguf)
     rng = random.Random(cfg.seed)
     order = list(range(len(sequences)))
@@ -372,17 +395,12 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
     draft.embed_tokens.requires_grad_(False)
     draft.lm_head.requires_grad_(False)
     vocab = frequent_tokens((sequences[i] for i in train_ids), cfg.vocab_subset) if cfg.vocab_subset else None
-    vocab_index = None
-    if vocab is not None:
-        vocab_index = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
-        vocab_index[vocab] = torch.arange(len(vocab))
+    vocab_index = None if vocab is None else subset_index(vocab, draft.config.n_vocab)
 
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     total_steps = int(cfg.epochs * len(train_ids) / cfg.batch)  # 0: just write the (init) weights
-    warmup = max(1, int(cfg.warmup * total_steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, 0.5 * (
-        1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total_steps - warmup))))) if s >= warmup else (s + 1) / warmup)
+    sched = lr_schedule(opt, cfg.warmup, total_steps)
 
     state_path = out / "train_state.pt"
     step, log = 0, TrainLog()
@@ -396,14 +414,7 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
 
     weights = position_weights(cfg.block_size, cfg.resolved_gamma())
     bf16 = cpu_has_bf16() if cfg.bf16 is None else cfg.bf16
-    tail, tap = None, None
-    if cfg.distill > 0:
-        from dflash_llama.reference.target_tail import TargetTail
-
-        deepest = max(cfg.target_layer_ids)
-        tail = TargetTail(target_gguf, deepest + 1, t.lm_head)
-        i = list(cfg.target_layer_ids).index(deepest)
-        tap = slice(i * t.embed_tokens.shape[1], (i + 1) * t.embed_tokens.shape[1])
+    tail, tap = distill_teacher(cfg, target_gguf, t) if cfg.distill > 0 else (None, None)
     heldout = [sequences[i] for i in heldout_ids]
     t0 = time.time() - log.wall_s
     bar = tqdm(total=total_steps, initial=step, disable=not progress, desc="train", unit="step")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import paths
+from .schema import SLIDING_ATTENTION, DraftHParams
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_MASK_TOKEN_ID = 0  # "<|endoftext|>": never an input in chat use, so free to mean MASK
@@ -152,36 +153,13 @@ def tiny_draft_hf(out_dir: str | os.PathLike, target_hf_dir: str | os.PathLike,
     n_taps = len(cfg.target_layer_ids) if cfg.target_layer_ids is not None else (
         1 if cfg.layers == 1 else cfg.layers)
 
-    dflash_config: dict = {"mask_token_id": cfg.mask_token_id}
-    if cfg.target_layer_ids is not None:
-        dflash_config["target_layer_ids"] = list(cfg.target_layer_ids)
-    config = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": hidden,
-        "intermediate_size": cfg.ffn,
-        "num_hidden_layers": cfg.layers,
-        "num_attention_heads": cfg.heads,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": 4096,
-        "vocab_size": tcfg["vocab_size"],
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "block_size": cfg.block_size,
-        "num_target_layers": n_target_layers,
-        "dflash_config": dflash_config,
-        "torch_dtype": cfg.dtype,
-    }
-    if cfg.layer_types is not None:
-        config["layer_types"] = list(cfg.layer_types)
-    if cfg.sliding_window is not None:
-        config["sliding_window"] = cfg.sliding_window
-        config["use_sliding_window"] = True
+    hparams = DraftHParams(
+        n_embd=hidden, n_layer=cfg.layers, n_head=cfg.heads, n_head_kv=cfg.kv_heads, head_dim=cfg.head_dim,
+        n_ff=cfg.ffn, mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids,
+        n_vocab=tcfg["vocab_size"], n_layer_target=n_target_layers, block_size=cfg.block_size,
+        n_ctx_train=4096, rope_freq_base=cfg.rope_theta, sliding_window=cfg.sliding_window,
+        swa_layers=[t == SLIDING_ATTENTION for t in cfg.layer_types or []])
+    config = hparams.to_hf_config(torch_dtype=cfg.dtype)
     config.update(cfg.extra_config)
 
     g = torch.Generator().manual_seed(cfg.seed)

@@ -1,0 +1,689 @@
+"""The DFlash draft schema: every GGUF key and tensor, the draft hyper-parameters, what we refuse.
+
+This is the one place that knows DFlash names. The converter writes with it, the PyTorch
+reference loads HF directories and GGUFs with it, the trainer writes config.json with it, the
+parity harness lines tensors up with it, and a test checks the C++ runtime's key literals against
+it. Everything here was checked against the pinned llama.cpp (0c1e570): `conversion/qwen.py`
+(`DFlashModel`, the writer), `src/models/dflash.cpp` (the loader and graph), `src/llama-arch.cpp`
+(names) and `common/speculative.cpp` (the keys the `draft-dflash` loop reads itself).
+
+Shapes are in ggml order (ne0 first, the fastest-moving dimension), i.e. the reverse of the
+PyTorch shape of the same tensor: `fc.weight` is [n_embd, n_taps * n_embd] in PyTorch and
+("n_taps*n_embd", "n_embd") here.
+
+No torch here: the converter and the CLI import this without PyTorch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_VERSION, GGUFValueType
+
+ARCH = "dflash"
+
+# --- keys ---------------------------------------------------------------------------------------
+
+GENERAL_ARCHITECTURE = "general.architecture"
+GENERAL_TYPE = "general.type"
+GENERAL_NAME = "general.name"
+GENERAL_FILE_TYPE = "general.file_type"
+GENERAL_QUANTIZATION_VERSION = "general.quantization_version"
+
+BLOCK_COUNT = f"{ARCH}.block_count"
+CONTEXT_LENGTH = f"{ARCH}.context_length"
+EMBEDDING_LENGTH = f"{ARCH}.embedding_length"
+FEED_FORWARD_LENGTH = f"{ARCH}.feed_forward_length"
+HEAD_COUNT = f"{ARCH}.attention.head_count"
+HEAD_COUNT_KV = f"{ARCH}.attention.head_count_kv"
+KEY_LENGTH = f"{ARCH}.attention.key_length"
+VALUE_LENGTH = f"{ARCH}.attention.value_length"
+RMS_EPS = f"{ARCH}.attention.layer_norm_rms_epsilon"
+ROPE_FREQ_BASE = f"{ARCH}.rope.freq_base"
+ROPE_SCALING_TYPE = f"{ARCH}.rope.scaling.type"
+ROPE_SCALING_FACTOR = f"{ARCH}.rope.scaling.factor"
+ROPE_DIMENSION_COUNT = f"{ARCH}.rope.dimension_count"
+ROPE_DIMENSION_SECTIONS = f"{ARCH}.rope.dimension_sections"
+BLOCK_SIZE = f"{ARCH}.block_size"
+TARGET_LAYERS = f"{ARCH}.target_layers"
+CAUSAL = f"{ARCH}.attention.causal"
+SLIDING_WINDOW = f"{ARCH}.attention.sliding_window"
+SLIDING_WINDOW_PATTERN = f"{ARCH}.attention.sliding_window_pattern"
+VALUE_SCALE = f"{ARCH}.attention.value_scale"
+LOGIT_SCALE = f"{ARCH}.logit_scale"
+FINAL_LOGIT_SOFTCAPPING = f"{ARCH}.final_logit_softcapping"
+EMBEDDING_SCALE = f"{ARCH}.embedding_scale"
+HIDDEN_ACTIVATION = f"{ARCH}.hidden_activation"
+ATTENTION_SCALE = f"{ARCH}.attention.scale"
+# DFlash 2 (convolutions + candidate selector) and DSpark (Markov / confidence heads, DeepSeek-V4
+# backbone): read by the pinned llama.cpp, refused here (see REFUSALS)
+CONV_KERNEL_SIZE = f"{ARCH}.conv_kernel_size"
+CONV_GROUP_SIZE = f"{ARCH}.conv_group_size"
+SELECTOR_RANK = f"{ARCH}.selector_rank"
+SELECTOR_TOP_K = f"{ARCH}.selector_top_k"
+SAMPLE_FROM_ANCHOR = f"{ARCH}.sample_from_anchor"
+HAS_CONFIDENCE_HEAD = f"{ARCH}.has_confidence_head"
+HYPER_CONNECTION_COUNT = f"{ARCH}.hyper_connection.count"
+
+TOKENIZER_PREFIX = "tokenizer."  # every key under it is copied from the target
+MASK_TOKEN_ID = "tokenizer.ggml.mask_token_id"
+
+U32, F32, BOOL, STR, ARR = (GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL,
+                            GGUFValueType.STRING, GGUFValueType.ARRAY)
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    key: str
+    type: GGUFValueType  # as the pinned converter writes it (arrays: element type in `element`)
+    required: bool  # the pinned llama.cpp cannot run the draft without it
+    hf: str  # where the value comes from in the draft's config.json (or the target)
+    llama_cpp: str  # what the pinned llama.cpp does with it
+    element: GGUFValueType | None = None
+
+
+KEYS: tuple[KeySpec, ...] = (
+    KeySpec(GENERAL_ARCHITECTURE, STR, True, '"dflash"', "selects llama_model_dflash"),
+    KeySpec(GENERAL_TYPE, STR, False, '"model"', "informational"),
+    KeySpec(GENERAL_NAME, STR, False, "draft directory name", "informational"),
+    KeySpec(GENERAL_FILE_TYPE, U32, False, "--outtype (llama_ftype)", "informational, printed"),
+    KeySpec(GENERAL_QUANTIZATION_VERSION, U32, False, "2", "checked by the quantizer"),
+    KeySpec(BLOCK_COUNT, U32, True, "num_hidden_layers", "number of draft layers"),
+    KeySpec(CONTEXT_LENGTH, U32, True, "max_position_embeddings (Qwen3 default 32768)",
+            "n_ctx_train; the draft context defaults to it"),
+    KeySpec(EMBEDDING_LENGTH, U32, True, "hidden_size", "n_embd; must equal the target's"),
+    KeySpec(FEED_FORWARD_LENGTH, U32, True, "intermediate_size", "n_ff, shapes of ffn_*"),
+    KeySpec(HEAD_COUNT, U32, True, "num_attention_heads", "n_head"),
+    KeySpec(HEAD_COUNT_KV, U32, False, "num_key_value_heads", "n_head_kv (default n_head)"),
+    KeySpec(KEY_LENGTH, U32, False, "head_dim", "head size of q/k (default n_embd / n_head)"),
+    KeySpec(VALUE_LENGTH, U32, False, "head_dim", "head size of v (default n_embd / n_head)"),
+    KeySpec(RMS_EPS, F32, True, "rms_norm_eps", "epsilon of every RMSNorm"),
+    KeySpec(ROPE_FREQ_BASE, F32, False, "rope_theta or rope_parameters.rope_theta",
+            "RoPE base (default 10000); NeoX rotation"),
+    KeySpec(ROPE_SCALING_TYPE, STR, False, 'rope_parameters.rope_type == "linear"',
+            "RoPE scaling type (default linear with factor 1)"),
+    KeySpec(ROPE_SCALING_FACTOR, F32, False, "rope_parameters.factor", "RoPE frequency scale 1/factor"),
+    KeySpec(ROPE_DIMENSION_COUNT, U32, False, "head_dim * partial_rotary_factor",
+            "n_rot (default head_dim)"),
+    KeySpec(ROPE_DIMENSION_SECTIONS, ARR, False, "[head_dim/2, 0, 0, 0] for M-RoPE targets",
+            "switches the draft to M-RoPE on the temporal dimension", GGUFValueType.INT32),
+    KeySpec(BLOCK_SIZE, U32, False, "dflash_config.block_size, block_size (default 16)",
+            "draft-dflash block size; n_max is clamped to block_size - 1; 16 when absent"),
+    KeySpec(TARGET_LAYERS, ARR, True, "dflash_config.target_layer_ids + 1 (default rule when absent)",
+            "target layers whose INPUT is captured; fc input = len * n_embd", GGUFValueType.INT32),
+    KeySpec(CAUSAL, BOOL, False, "is_causal, dflash_config.causal",
+            "draft-dflash sets causal attention from it (default: non-causal)"),
+    KeySpec(SLIDING_WINDOW, U32, False, "dflash_config.swa_window_size, sliding_window",
+            "window of sliding-attention layers (written only with use_sliding_window / use_swa)"),
+    KeySpec(SLIDING_WINDOW_PATTERN, ARR, False, 'layer_types[i] == "sliding_attention"',
+            "per-layer SWA flags; required when sliding_window is set", GGUFValueType.BOOL),
+    KeySpec(VALUE_SCALE, F32, False, "dflash_config.attention_value_scale", "scales V"),
+    KeySpec(LOGIT_SCALE, F32, False, "output_multiplier", "draft logits *= value"),
+    KeySpec(FINAL_LOGIT_SOFTCAPPING, F32, False, "final_logit_softcapping (written when > 0)",
+            "logits = c * tanh(logits / c)"),
+    KeySpec(EMBEDDING_SCALE, F32, False, "input_embedding_scale", "block embeddings *= value"),
+    KeySpec(MASK_TOKEN_ID, U32, True, "dflash_config.mask_token_id",
+            "the MASK token filling block positions 1..B-1"),
+    KeySpec(HIDDEN_ACTIVATION, STR, False, "(never written: DFlash 1 drafts are silu)",
+            "FFN activation: silu (default) or gelu"),
+    KeySpec(ATTENTION_SCALE, F32, False, "(never written)", "attention scale instead of 1/sqrt(head_dim)"),
+    KeySpec(CONV_KERNEL_SIZE, U32, False, "dflash_config.conv_kernel_size (DFlash 2)", "DFlash 2 convolutions"),
+    KeySpec(CONV_GROUP_SIZE, U32, False, "dflash_config.conv_group_size (DFlash 2)", "DFlash 2 convolutions"),
+    KeySpec(SELECTOR_RANK, U32, False, "dflash_config.selector_rank (DFlash 2)", "DFlash 2 candidate selector"),
+    KeySpec(SELECTOR_TOP_K, U32, False, "dflash_config.selector_top_k (DFlash 2)",
+            "DFlash 2 candidate selector; draft-dflash switches to DFlash 2 when > 0"),
+    KeySpec(SAMPLE_FROM_ANCHOR, BOOL, False, "sample_from_anchor (DSpark)",
+            "draft-dflash samples block position 0 too when true"),
+    KeySpec(HAS_CONFIDENCE_HEAD, BOOL, False, "(DSpark)", "draft-dflash needs it for --spec-draft-p-min"),
+    KeySpec(HYPER_CONNECTION_COUNT, U32, False, "(DSpark on a DeepSeek-V4 backbone)",
+            "switches the draft to DeepSeek-V4 blocks with hyper-connections"),
+)
+KEY: dict[str, KeySpec] = {k.key: k for k in KEYS}
+
+
+# --- tensors ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorSpec:
+    gguf: str  # GGUF name; "{bid}" is the draft layer index
+    hf: str  # safetensors name in a published DFlash checkpoint (a "model." prefix is allowed)
+    shape: tuple[str, ...]  # ggml order, in the symbols of `expected_shape`
+    required: bool
+    role: str
+
+
+TENSORS: tuple[TensorSpec, ...] = (
+    TensorSpec("fc.weight", "fc.weight", ("n_taps*n_embd", "n_embd"), True,
+               "projects the concatenated target features to n_embd"),
+    TensorSpec("enc.output_norm.weight", "hidden_norm.weight", ("n_embd",), True,
+               "RMSNorm after fc (hidden_norm)"),
+    TensorSpec("output_norm.weight", "norm.weight", ("n_embd",), True, "final RMSNorm"),
+    TensorSpec("blk.{bid}.attn_norm.weight", "layers.{bid}.input_layernorm.weight", ("n_embd",), True,
+               "RMSNorm before attention"),
+    TensorSpec("blk.{bid}.attn_q.weight", "layers.{bid}.self_attn.q_proj.weight",
+               ("n_embd", "n_head*head_dim"), True, "query projection (block tokens only)"),
+    TensorSpec("blk.{bid}.attn_k.weight", "layers.{bid}.self_attn.k_proj.weight",
+               ("n_embd", "n_head_kv*head_dim"), True, "key projection (context and block)"),
+    TensorSpec("blk.{bid}.attn_v.weight", "layers.{bid}.self_attn.v_proj.weight",
+               ("n_embd", "n_head_kv*head_dim"), True, "value projection (context and block)"),
+    TensorSpec("blk.{bid}.attn_output.weight", "layers.{bid}.self_attn.o_proj.weight",
+               ("n_head*head_dim", "n_embd"), True, "attention output projection"),
+    TensorSpec("blk.{bid}.attn_q_norm.weight", "layers.{bid}.self_attn.q_norm.weight", ("head_dim",),
+               True, "per-head RMSNorm of q"),
+    TensorSpec("blk.{bid}.attn_k_norm.weight", "layers.{bid}.self_attn.k_norm.weight", ("head_dim",),
+               True, "per-head RMSNorm of k"),
+    TensorSpec("blk.{bid}.ffn_norm.weight", "layers.{bid}.post_attention_layernorm.weight", ("n_embd",),
+               True, "RMSNorm before the MLP (post_attention_layernorm)"),
+    TensorSpec("blk.{bid}.ffn_gate.weight", "layers.{bid}.mlp.gate_proj.weight", ("n_embd", "n_ff"), True,
+               "SwiGLU gate"),
+    TensorSpec("blk.{bid}.ffn_up.weight", "layers.{bid}.mlp.up_proj.weight", ("n_embd", "n_ff"), True,
+               "SwiGLU up"),
+    TensorSpec("blk.{bid}.ffn_down.weight", "layers.{bid}.mlp.down_proj.weight", ("n_ff", "n_embd"), True,
+               "SwiGLU down"),
+    # A draft normally borrows the target's embeddings and head (llama.cpp: through ctx_other).
+    TensorSpec("token_embd.weight", "embed_tokens.weight", ("n_embd", "n_vocab"), False,
+               "own token embeddings (optional)"),
+    TensorSpec("output.weight", "lm_head.weight", ("n_embd", "n_vocab"), False,
+               "own output head (optional)"),
+)
+
+# Rows of q_proj / k_proj / q_norm / k_norm that the pinned converter reorders for drafts trained
+# with interleaved RoPE (config `rope_is_neox_style: false`), since llama.cpp's draft ropes NeoX-style.
+ROPE_PERMUTED = ("blk.{bid}.attn_q.weight", "blk.{bid}.attn_k.weight",
+                 "blk.{bid}.attn_q_norm.weight", "blk.{bid}.attn_k_norm.weight")
+
+
+
+# --- what this project cannot run -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Refusal:
+    """A key or tensor the pinned llama.cpp reads and neither our runtime nor the reference runs.
+
+    A key is refused when present, unless its value is in `allowed` or equals the key `same_as`.
+    """
+
+    name: str  # GGUF key, or tensor name ("{bid}": any draft layer)
+    why: str
+    allowed: tuple = ()
+    same_as: str | None = None
+    tensor: bool = False
+
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal(HIDDEN_ACTIVATION, "only silu FFNs are supported", allowed=("silu",)),
+    Refusal(ATTENTION_SCALE, "a custom attention scale is not supported"),
+    Refusal(VALUE_SCALE, "V scaling is not supported"),
+    Refusal(ROPE_DIMENSION_SECTIONS, "M-RoPE drafts are not supported"),
+    Refusal(ROPE_SCALING_TYPE, "only none and linear RoPE scaling are supported", allowed=("none", "linear")),
+    Refusal(VALUE_LENGTH, "value_length different from key_length is not supported", same_as=KEY_LENGTH),
+    Refusal(ROPE_DIMENSION_COUNT, "partial RoPE (dimension_count != key_length) is not supported",
+            same_as=KEY_LENGTH),
+    *(Refusal(k, "DFlash 2 drafts (convolutions + candidate selector) are not supported")
+      for k in (CONV_KERNEL_SIZE, CONV_GROUP_SIZE, SELECTOR_RANK, SELECTOR_TOP_K)),
+    Refusal(SAMPLE_FROM_ANCHOR, "DSpark drafts (sampling from the anchor) are not supported", allowed=(False,)),
+    Refusal(HAS_CONFIDENCE_HEAD, "DSpark drafts (confidence head) are not supported"),
+    Refusal(HYPER_CONNECTION_COUNT, "DSpark drafts on a DeepSeek-V4 backbone are not supported"),
+    Refusal("d2t", "reduced-vocabulary drafts (d2t) are not supported", tensor=True),
+    *(Refusal(t, "DSpark drafts (Markov / confidence heads) are not supported", tensor=True)
+      for t in ("markov_w1.weight", "markov_w2.weight", "markov_w2.scale", "conf_proj.weight", "conf_proj.bias")),
+    *(Refusal(t, "DFlash 2 drafts (convolutions + candidate selector) are not supported", tensor=True)
+      for t in ("selector_hidden.weight", "selector_predecessor.weight", "selector_successor.weight",
+                "blk.{bid}.attn_conv_base", "blk.{bid}.attn_conv_proj.weight", "blk.{bid}.ffn_conv_base",
+                "blk.{bid}.ffn_conv_proj.weight")),
+    Refusal("fc.scale", "a scaled fc is not supported", tensor=True),
+    Refusal("rope_freqs.weight", "RoPE frequency factors are not supported", tensor=True),
+    *(Refusal(t, "extra per-layer tensors (Gemma-style norms, output scales, sinks) are not supported",
+              tensor=True)
+      for t in ("blk.{bid}.post_attention_norm.weight", "blk.{bid}.post_ffw_norm.weight",
+                "blk.{bid}.layer_output_scale.weight", "blk.{bid}.attn_sinks.weight")),
+)
+
+
+def refusals(kv: dict[str, Any], tensor_names=()) -> list[str]:
+    """One line per thing in a draft GGUF that this project cannot run (empty: none).
+
+    `kv`: GGUF metadata; `tensor_names`: every tensor in the file. A tensor that is neither in
+    TENSORS nor in REFUSALS is refused too (llama.cpp may read it; we would silently ignore it).
+    """
+    out = []
+    for r in REFUSALS:
+        if r.tensor or r.name not in kv:
+            continue
+        value = kv[r.name]
+        if value in r.allowed or (r.same_as is not None and value == _head_dim(kv)):
+            continue
+        out.append(f"'{r.name}' = {value!r}: {r.why}")
+    refused = [(_pattern(r.name), r) for r in REFUSALS if r.tensor]
+    for name in tensor_names:
+        if hf_tensor_name(name) is not None:
+            continue
+        why = next((r.why for p, r in refused if p.match(name)), "not a tensor of a DFlash 1 draft")
+        out.append(f"tensor '{name}': {why}")
+    return out
+
+
+def _head_dim(kv: dict[str, Any]) -> int | None:
+    """key_length, else llama.cpp's default n_embd / n_head."""
+    if KEY_LENGTH in kv:
+        return kv[KEY_LENGTH]
+    n_embd, n_head = kv.get(EMBEDDING_LENGTH), kv.get(HEAD_COUNT)
+    return n_embd // n_head if n_embd and n_head else None
+
+
+def refuse(kv: dict[str, Any], tensor_names=(), source: str = "draft") -> None:
+    """Raise ValueError naming `source` and the first thing `refusals` finds."""
+    found = refusals(kv, tensor_names)
+    if found:
+        raise ValueError(f"{source}: {found[0]}")
+
+
+# --- tensor names ---------------------------------------------------------------------------------
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile("^" + re.escape(template).replace(r"\{bid\}", r"(\d+)") + "$")
+
+
+_BY_HF = [(_pattern(t.hf), t) for t in TENSORS]
+_BY_GGUF = [(_pattern(t.gguf), t) for t in TENSORS]
+
+
+def gguf_tensor_name(hf_name: str) -> tuple[str, TensorSpec] | None:
+    """The GGUF name (and its spec) of an HF checkpoint tensor; None for a name not in the table."""
+    name = hf_name.removeprefix("model.")
+    for pattern, spec in _BY_HF:
+        if m := pattern.match(name):
+            return spec.gguf.format(bid=m.group(1)) if m.groups() else spec.gguf, spec
+    return None
+
+
+def hf_tensor_name(gguf_name: str) -> tuple[str, TensorSpec] | None:
+    """The HF checkpoint name (and spec) of a GGUF tensor; None for a name not in the table."""
+    for pattern, spec in _BY_GGUF:
+        if m := pattern.match(gguf_name):
+            return spec.hf.format(bid=m.group(1)) if m.groups() else spec.hf, spec
+    return None
+
+
+def layer_index(name: str) -> int | None:
+    """The draft layer a GGUF or HF tensor name belongs to (`blk.3.` / `layers.3.`), else None."""
+    m = re.match(r"^(?:model\.)?(?:blk|layers)\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def expected_shape(spec: TensorSpec, dims: dict[str, int]) -> tuple[int, ...]:
+    """Shape in ggml order from `dims` with n_embd, n_taps, n_head, n_head_kv, head_dim, n_ff, n_vocab."""
+    def size(sym: str) -> int:
+        out = 1
+        for factor in sym.split("*"):
+            out *= dims[factor]
+        return out
+
+    return tuple(size(s) for s in spec.shape)
+
+
+def stays_f32(gguf_name: str, n_dims: int) -> bool:
+    """The pinned converter's rule: 1-D tensors, norms and non-`.weight` tensors are never quantised."""
+    return n_dims <= 1 or gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight")
+
+
+def is_rope_permuted(gguf_name: str) -> bool:
+    """A q/k row tensor that interleaved-RoPE checkpoints need reordered (see rope_halves_order)."""
+    bid = layer_index(gguf_name)
+    return bid is not None and gguf_name in {t.format(bid=bid) for t in ROPE_PERMUTED}
+
+
+def rope_halves_order(n_rows: int, head_dim: int) -> np.ndarray:
+    """Row order taking interleaved RoPE pairs (2i, 2i+1) to NeoX halves, per head: even dims
+    first, then odd (llama.cpp permutes llama's q/k the other way). `rows[order]` reorders a
+    NumPy array or a torch tensor alike."""
+    return np.arange(n_rows).reshape(-1, head_dim // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+# --- target layers --------------------------------------------------------------------------------
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The published rule when a checkpoint has no `target_layer_ids`."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = (num_target_layers - 3) - 1
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def target_layers_from_ids(target_layer_ids: list[int]) -> list[int]:
+    """`dflash.target_layers`: llama.cpp captures the INPUT of layer i+1 = the output of layer i."""
+    return [int(i) + 1 for i in target_layer_ids]
+
+
+def target_layer_ids_from_gguf(target_layers: list[int]) -> list[int]:
+    """Inverse of `target_layers_from_ids`: the HF `target_layer_ids` a GGUF draft was made with."""
+    return [int(i) - 1 for i in target_layers]
+
+
+# --- hyper-parameters -----------------------------------------------------------------------------
+
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass
+class DraftHParams:
+    """A DFlash 1 draft's hyper-parameters, in llama.cpp's names (`draft_hparams` in
+    runtime/draft_model.h). Read from config.json (with the defaults of Qwen3Config, the class
+    published drafts load with) or from GGUF metadata; None: the source does not say."""
+
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    mask_token_id: int
+    target_layer_ids: list[int] | None  # HF ids (GGUF: ids + 1); None: the default rule applies
+    n_vocab: int | None = None
+    n_layer_target: int | None = None  # num_target_layers; GGUFs do not store it
+    block_size: int = 16
+    n_ctx_train: int | None = None
+    rms_eps: float = 1e-6
+    rope_freq_base: float = 10000.0
+    rope_linear_factor: float | None = None  # linear RoPE scaling: positions / factor
+    n_rot: int | None = None  # rotated dims of a partial-RoPE draft (refused)
+    rope_neox: bool = True  # False: the checkpoint's q/k rows are interleaved pairs (HF only)
+    causal: bool | None = None  # None: sliding layers causal, full layers not
+    sliding_window: int | None = None  # window of the sliding layers; None: no window
+    swa_layers: list[bool] = field(default_factory=list)  # per layer: a sliding layer; empty: none
+    embedding_scale: float | None = None  # input_embedding_scale
+    logit_scale: float | None = None  # output_multiplier
+    logit_softcap: float | None = None  # final_logit_softcapping (> 0)
+    value_scale: float | None = None  # attention_value_scale (refused)
+    # `is_causal: false` at the top level of config.json: the pinned converter writes the key early
+    causal_at_top: bool = field(default=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        if not self.swa_layers:
+            self.swa_layers = [False] * self.n_layer
+        if len(self.swa_layers) != self.n_layer:
+            raise ValueError(f"layer_types has {len(self.swa_layers)} entries for {self.n_layer} layers")
+        if self.n_head % self.n_head_kv != 0:
+            raise ValueError(f"{self.n_head} attention heads are not a multiple of {self.n_head_kv} kv heads")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+
+    @property
+    def n_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def layer_is_causal(self, il: int) -> bool:
+        """The published rule: a sliding layer is causal, a full one is not, unless `causal`."""
+        return bool(self.causal) if self.causal is not None else self.swa_layers[il]
+
+    def layer_window(self, il: int) -> int | None:
+        return self.sliding_window if self.swa_layers[il] else None
+
+    def dims(self, n_vocab: int | None = None) -> dict[str, int]:
+        """The symbols of `expected_shape`."""
+        return {"n_embd": self.n_embd, "n_taps": self.n_taps, "n_head": self.n_head,
+                "n_head_kv": self.n_head_kv, "head_dim": self.head_dim, "n_ff": self.n_ff,
+                "n_vocab": n_vocab or self.n_vocab or 0}
+
+    # --- config.json ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, config: dict, source: str = "config.json") -> DraftHParams:
+        """Check a DFlash 1 draft's config.json and read it; errors are ValueErrors naming `source`.
+
+        DFlash keys come from `dflash_config` first, then the top level (the published lookup
+        order). Sliding attention is read as the pinned converter reads it: Qwen3Config nulls
+        `sliding_window` unless `use_sliding_window` (or `dflash_config.use_swa`: every layer).
+        """
+        r = _HFReader(config, source)
+        n_layer = r.required("num_hidden_layers")
+        n_head = r.required("num_attention_heads")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"{source}: rope_parameters must be an object, got {rope!r}")
+        rope = rope.get("full_attention", rope)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear"):
+            raise ValueError(f"{source}: RoPE type {rope_type!r} is not supported (only default and linear)")
+        head_dim = r.integer("head_dim", config.get("head_dim", 128))  # Qwen3Config's default
+        partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+        window, swa_layers = r.sliding(n_layer)
+        causal = config.get("is_causal")
+        softcap = r.optional_number("final_logit_softcapping")
+        try:
+            return cls(
+                n_embd=r.required("hidden_size"), n_layer=n_layer, n_head=n_head,
+                n_head_kv=r.integer("num_key_value_heads", config.get("num_key_value_heads") or n_head),
+                head_dim=head_dim, n_ff=r.required("intermediate_size"),
+                mask_token_id=r.mask_token_id(), target_layer_ids=r.target_layer_ids(),
+                n_vocab=r.optional_integer("vocab_size", config.get("vocab_size")),
+                n_layer_target=r.optional_integer("num_target_layers", r.value("num_target_layers")),
+                block_size=r.integer("block_size", r.value("block_size", 16)),
+                n_ctx_train=r.integer("max_position_embeddings", config.get("max_position_embeddings", 32768)),
+                rms_eps=r.number("rms_norm_eps", config.get("rms_norm_eps", 1e-6)),
+                rope_freq_base=r.number("rope_theta", rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+                rope_linear_factor=(r.number("rope factor", rope["factor"])
+                                    if rope_type == "linear" and "factor" in rope else None),
+                n_rot=None if partial is None else int(head_dim * r.number("partial_rotary_factor", partial)),
+                rope_neox=bool(config.get("rope_is_neox_style", True)),
+                causal=bool(causal) if causal is not None else r.optional_bool("causal"),
+                sliding_window=window, swa_layers=swa_layers,
+                embedding_scale=r.optional_number("input_embedding_scale"),
+                logit_scale=r.optional_number("output_multiplier"),
+                logit_softcap=softcap if softcap is not None and softcap > 0 else None,
+                value_scale=r.optional_number("attention_value_scale", dflash_only=True),
+                causal_at_top=causal is False,
+            )
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from e
+
+    def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict:
+        """config.json in the published format; `from_hf_config` reads it back to an equal object."""
+        dflash: dict[str, Any] = {"mask_token_id": self.mask_token_id}
+        if self.target_layer_ids is not None:
+            dflash["target_layer_ids"] = list(self.target_layer_ids)
+        for name, value in (("input_embedding_scale", self.embedding_scale),
+                            ("output_multiplier", self.logit_scale),
+                            ("final_logit_softcapping", self.logit_softcap),
+                            ("attention_value_scale", self.value_scale)):
+            if value is not None:
+                dflash[name] = value
+        config: dict[str, Any] = {
+            "architectures": [DFLASH_ARCHITECTURE], "model_type": "qwen3",
+            "hidden_size": self.n_embd, "intermediate_size": self.n_ff, "num_hidden_layers": self.n_layer,
+            "num_attention_heads": self.n_head, "num_key_value_heads": self.n_head_kv,
+            "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.rms_eps,
+            "rope_theta": self.rope_freq_base, "max_position_embeddings": self.n_ctx_train,
+            "vocab_size": self.n_vocab, "tie_word_embeddings": False, "attention_bias": False,
+            "attention_dropout": 0.0, "block_size": self.block_size, "num_target_layers": self.n_layer_target,
+            "dflash_config": dflash, "torch_dtype": torch_dtype,
+        }
+        config = {k: v for k, v in config.items() if v is not None}
+        if self.rope_linear_factor is not None:
+            config["rope_parameters"] = {"rope_type": "linear", "factor": self.rope_linear_factor,
+                                         "rope_theta": self.rope_freq_base}
+        if self.n_rot is not None:
+            config["partial_rotary_factor"] = self.n_rot / self.head_dim
+        if not self.rope_neox:
+            config["rope_is_neox_style"] = False
+        if self.sliding_window is not None or any(self.swa_layers):
+            config["layer_types"] = [SLIDING_ATTENTION if s else FULL_ATTENTION for s in self.swa_layers]
+        if self.sliding_window is not None:
+            config.update(sliding_window=self.sliding_window, use_sliding_window=True)
+        if self.causal is not None:
+            config["is_causal"] = self.causal
+        return config
+
+    # --- GGUF -------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, kv: dict[str, Any], source: str = "draft.gguf") -> DraftHParams:
+        """Read DFlash GGUF metadata (`dflash.target_layers` holds ids + 1), refusing what `refuse`
+        refuses; the defaults are llama.cpp's."""
+        def need(key):
+            if key not in kv:
+                raise ValueError(f"{source}: missing GGUF key {key!r}")
+            return kv[key]
+
+        refuse(kv, (), source)
+        n_embd, n_layer, n_head = int(need(EMBEDDING_LENGTH)), int(need(BLOCK_COUNT)), int(need(HEAD_COUNT))
+        n_ff, rms_eps = int(need(FEED_FORWARD_LENGTH)), float(need(RMS_EPS))
+        layers = [int(x) for x in need(TARGET_LAYERS)]
+        if any(x < 1 for x in layers):
+            raise ValueError(f"{source}: {TARGET_LAYERS} {layers} must all be >= 1 "
+                             "(they hold target layer ids + 1)")
+        mask = need(MASK_TOKEN_ID)
+        window = kv.get(SLIDING_WINDOW) or None
+        pattern = kv.get(SLIDING_WINDOW_PATTERN)
+        if window and (pattern is None or len(pattern) != n_layer):
+            raise ValueError(f"{source}: {SLIDING_WINDOW} needs a {SLIDING_WINDOW_PATTERN} with {n_layer} entries")
+        tokens = kv.get("tokenizer.ggml.tokens")
+        optional = {name: float(kv[key]) for name, key in (
+            ("embedding_scale", EMBEDDING_SCALE), ("logit_scale", LOGIT_SCALE),
+            ("logit_softcap", FINAL_LOGIT_SOFTCAPPING), ("value_scale", VALUE_SCALE)) if key in kv}
+        if not optional.get("logit_softcap", 1.0) > 0:
+            del optional["logit_softcap"]
+        try:
+            return cls(
+                n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=int(kv.get(HEAD_COUNT_KV, n_head)),
+                head_dim=int(kv.get(KEY_LENGTH, n_embd // n_head)), n_ff=n_ff, mask_token_id=int(mask),
+                target_layer_ids=target_layer_ids_from_gguf(layers),
+                n_vocab=None if tokens is None else len(tokens),
+                block_size=int(kv.get(BLOCK_SIZE, 16)),
+                n_ctx_train=int(kv[CONTEXT_LENGTH]) if CONTEXT_LENGTH in kv else None,
+                rms_eps=rms_eps, rope_freq_base=float(kv.get(ROPE_FREQ_BASE, 10000.0)),
+                rope_linear_factor=(float(kv.get(ROPE_SCALING_FACTOR, 1.0))
+                                    if kv.get(ROPE_SCALING_TYPE) == "linear" else None),
+                n_rot=int(kv[ROPE_DIMENSION_COUNT]) if ROPE_DIMENSION_COUNT in kv else None,
+                causal=bool(kv[CAUSAL]) if CAUSAL in kv else None,
+                sliding_window=int(window) if window else None,
+                swa_layers=[bool(p) for p in pattern] if window else [],
+                **optional,
+            )
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from e
+
+    def to_gguf_kv(self, file_type: int | None = None, mrope: bool = False) -> list[tuple[str, Any]]:
+        """The model keys in the order the pinned converter writes them (after general.*, before
+        the tokenizer; the MASK token id goes after the tokenizer). `file_type` adds
+        general.file_type and general.quantization_version; `mrope`: the target uses M-RoPE."""
+        if self.target_layer_ids is None:
+            raise ValueError("target_layer_ids must be resolved before writing GGUF metadata")
+        kv: list[tuple[str, Any]] = [(BLOCK_COUNT, self.n_layer)]
+        if self.n_ctx_train is not None:
+            kv.append((CONTEXT_LENGTH, self.n_ctx_train))
+        kv += [(EMBEDDING_LENGTH, self.n_embd), (FEED_FORWARD_LENGTH, self.n_ff), (HEAD_COUNT, self.n_head),
+               (HEAD_COUNT_KV, self.n_head_kv)]
+        if self.causal_at_top:  # the pinned base class writes this one early
+            kv.append((CAUSAL, False))
+        if self.rope_linear_factor is not None:
+            kv += [(ROPE_SCALING_TYPE, "linear"), (ROPE_SCALING_FACTOR, self.rope_linear_factor)]
+        kv += [(ROPE_FREQ_BASE, self.rope_freq_base), (RMS_EPS, self.rms_eps),
+               (KEY_LENGTH, self.head_dim), (VALUE_LENGTH, self.head_dim)]
+        if file_type is not None:
+            kv.append((GENERAL_FILE_TYPE, file_type))
+        if self.n_rot is not None:
+            kv.append((ROPE_DIMENSION_COUNT, self.n_rot))
+        if self.value_scale is not None:
+            kv.append((VALUE_SCALE, self.value_scale))
+        kv.append((BLOCK_SIZE, self.block_size))
+        for key, value in ((LOGIT_SCALE, self.logit_scale), (FINAL_LOGIT_SOFTCAPPING, self.logit_softcap),
+                           (EMBEDDING_SCALE, self.embedding_scale)):
+            if value is not None:
+                kv.append((key, value))
+        kv.append((TARGET_LAYERS, target_layers_from_ids(self.target_layer_ids)))
+        if self.sliding_window is not None:
+            kv += [(SLIDING_WINDOW, self.sliding_window), (SLIDING_WINDOW_PATTERN, list(self.swa_layers))]
+        if self.causal is not None and not self.causal_at_top:
+            kv.append((CAUSAL, self.causal))
+        if mrope:  # the draft ropes on the temporal section only
+            kv.append((ROPE_DIMENSION_SECTIONS, [self.head_dim // 2, 0, 0, 0]))
+        if file_type is not None:
+            kv.append((GENERAL_QUANTIZATION_VERSION, GGML_QUANT_VERSION))
+        return kv
+
+
+class _HFReader:
+    """Typed look-ups in one config.json, with errors naming the file."""
+
+    def __init__(self, config: dict, source: str):
+        self.config, self.source = config, source
+        archs = config.get("architectures") or []
+        dflash = config.get("dflash_config")
+        if any("DFlash2" in a for a in archs) or (isinstance(dflash, dict) and "conv_kernel_size" in dflash):
+            raise ValueError(f"{source}: DFlash 2 drafts are not supported yet (architectures {archs})")
+        if archs and DFLASH_ARCHITECTURE not in archs:
+            raise ValueError(f"{source}: unsupported architecture {archs}: expected [\"{DFLASH_ARCHITECTURE}\"]")
+        if not isinstance(dflash, dict):
+            raise ValueError(f"{source}: no 'dflash_config': this is not a DFlash draft checkpoint")
+        self.dflash = dflash
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{source}: hidden_act {act!r} is not supported (DFlash 1 drafts use silu)")
+        if config.get("attention_bias"):
+            raise ValueError(f"{source}: attention_bias = true is not supported")
+
+    def value(self, name: str, default=None):
+        """dflash_config first, then the top level (the published reference's lookup order)."""
+        return self.dflash.get(name, self.config.get(name, default))
+
+    def integer(self, name: str, v, minimum: int = 1) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise ValueError(f"{self.source}: {name} must be an integer >= {minimum}, got {v!r}")
+        return v
+
+    def optional_integer(self, name: str, v) -> int | None:
+        return None if v is None else self.integer(name, v)
+
+    def number(self, name: str, v) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{self.source}: {name} must be a number, got {v!r}")
+        return float(v)
+
+    def optional_number(self, name: str, dflash_only: bool = False) -> float | None:
+        v = self.dflash.get(name) if dflash_only else self.value(name)
+        return None if v is None else self.number(name, v)
+
+    def optional_bool(self, name: str) -> bool | None:
+        v = self.dflash.get(name)
+        return None if v is None else bool(v)
+
+    def required(self, name: str) -> int:
+        if name not in self.config:
+            raise ValueError(f"{self.source}: missing {name}")
+        return self.integer(name, self.config[name])
+
+    def mask_token_id(self) -> int:
+        mask = self.value("mask_token_id")
+        if mask is None:
+            raise ValueError(f"{self.source}: no mask_token_id (dflash_config.mask_token_id)")
+        return self.integer("mask_token_id", mask, minimum=0)
+
+    def target_layer_ids(self) -> list[int] | None:
+        ids = self.value("target_layer_ids")
+        if ids is not None and (not isinstance(ids, list) or not ids or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            raise ValueError(f"{self.source}: target_layer_ids must be a non-empty list of integers, got {ids!r}")
+        return ids
+
+    def sliding(self, n_layer: int) -> tuple[int | None, list[bool]]:
+        """(window or None, per-layer sliding flags), Qwen3Config's defaults for `layer_types`."""
+        config, dflash = self.config, self.dflash
+        use_swa = bool(config.get("use_sliding_window", False) or dflash.get("use_swa", False))
+        window = (dflash.get("swa_window_size") or config.get("sliding_window")) if use_swa else None
+        window = self.integer("sliding_window", window) if window else None
+        if dflash.get("use_swa", False) and window:
+            return window, [True] * n_layer
+        layer_types = config.get("layer_types") or [
+            SLIDING_ATTENTION if window is not None and i >= config.get("max_window_layers", 28) else FULL_ATTENTION
+            for i in range(n_layer)]
+        for t in layer_types:
+            if t not in (FULL_ATTENTION, SLIDING_ATTENTION):
+                raise ValueError(f"{self.source}: layer type {t!r} is not supported "
+                                 f"(only {FULL_ATTENTION!r} and {SLIDING_ATTENTION!r})")
+        return window, [t == SLIDING_ATTENTION for t in layer_types]
