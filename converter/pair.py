@@ -1,8 +1,10 @@
-"""A (target, draft) pair as the runtime takes it: the draft as a GGUF, converted once and cached.
+"""A (target, draft) pair as the runtime takes it: THE way every command resolves its draft.
 
-A draft is given as a GGUF file or as a published Hugging Face directory (config.json +
-model.safetensors); a directory is converted for its target and kept in a cache keyed by the
-content of both, so the next run starts at once.
+A draft is given as a GGUF file, as a published Hugging Face directory (config.json +
+model.safetensors), or as a folder holding exactly one GGUF. A Hugging Face directory is converted
+for its target once, into one cache (`cache_dir()`, `$DFLASH_LLAMA_CACHE`, else
+`~/.cache/dflash-llama`) keyed by the draft's content, the target and the output type, so the next
+run starts at once.
 """
 
 from __future__ import annotations
@@ -11,30 +13,53 @@ import hashlib
 import os
 from pathlib import Path
 
+import dflash_llama
+
 from .conversion import convert
 
-DEFAULT_DRAFT = Path(__file__).resolve().parents[1] / "data" / "smollm2-135m-dflash"
+DEFAULT_DRAFT = Path(dflash_llama.__file__).resolve().parent / "data" / "smollm2-135m-dflash"
+CACHE_ENV = "DFLASH_LLAMA_CACHE"
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "dflash-llama"
+    """The one cache folder of dflash-llama (converted drafts; parity's built fixtures below it)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dflash-llama")
 
 
-def draft_gguf(draft: Path, target: Path, outtype: str = "f16") -> Path:
-    """A GGUF for `draft`: itself if it is one, else a conversion cached by content hash."""
+def resolve_draft(draft: str | os.PathLike, target: str | os.PathLike, outtype: str = "f16") -> Path:
+    """A GGUF for `draft`: itself if it is one, the one GGUF of a folder, else the cached `outtype`
+    conversion of a Hugging Face directory for `target`."""
+    draft, target = Path(draft), Path(target)
     if draft.is_file():
+        if draft.suffix != ".gguf":
+            raise ValueError(f"draft {draft}: expected a .gguf file or a Hugging Face folder")
         return draft
+    if not draft.exists():
+        hint = ("the default draft ships with the package (python/dflash_llama/data/); "
+                if draft == DEFAULT_DRAFT else "")
+        raise FileNotFoundError(f"no DFlash draft at {draft}: {hint}train one with `dflash-llama train` "
+                                f"and pass -md DIR, or pass a draft GGUF")
     if not (draft / "config.json").exists():
-        raise FileNotFoundError(
-            f"no DFlash draft at {draft}: the default draft ships with the package "
-            "(python/dflash_llama/data/); train one with `dflash-llama train` and pass --draft DIR")
-    h = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
-        h.update((draft / name).read_bytes())
-    h.update(str(target.resolve()).encode())
-    out = cache_dir() / f"{draft.name}-{h.hexdigest()[:12]}-{outtype}.gguf"
+        ggufs = sorted(draft.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        if ggufs:
+            raise ValueError(f"draft {draft} holds {len(ggufs)} GGUF files: name the one to use")
+        raise ValueError(f"draft {draft}: neither a GGUF nor a Hugging Face checkpoint (no config.json)")
+    out = cache_dir() / f"{draft.name}-{_key(draft, target, outtype)}-{outtype}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        convert(draft, target, out, outtype=outtype)
+        convert(draft, target, out, outtype=outtype)  # written whole or not at all
     return out
+
+
+def _key(draft: Path, target: Path, outtype: str) -> str:
+    """The cache key: the draft's files, the target (path, size, modification time) and the type."""
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        f = draft / name
+        if f.exists():
+            h.update(f.read_bytes())
+    st = target.stat() if target.exists() else None
+    h.update(f"{target.resolve()}|{st and st.st_size}|{st and st.st_mtime_ns}|{outtype}".encode())
+    return h.hexdigest()[:12]

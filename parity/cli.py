@@ -1,9 +1,10 @@
 """`dflash-llama parity`: layer-by-layer parity of a DFlash GGUF draft, three ways.
 
-    dflash-llama parity --target T.gguf --draft D.gguf [--draft-hf DIR] [--target-hf DIR] \\
+    dflash-llama parity -m T.gguf -md D.gguf [--draft-hf DIR] [--target-hf DIR] \\
                         [--prompts FILE] --out reports/NAME/
+    dflash-llama parity -m T.gguf -md DRAFT_HF_DIR [--outtype f16] --out reports/NAME/   # converted, cached
     dflash-llama parity --all [--only NAME,...] [--out reports/parity/]
-    dflash-llama parity --quant-study [--target T.gguf --draft-hf DIR] --out reports/NAME/quant/
+    dflash-llama parity --quant-study [-m T.gguf --draft-hf DIR] --out reports/NAME/quant/
     dflash-llama parity --default [--outtype f16]          # the embedded pair -> reports/smollm2-135m-dflash/
     dflash-llama parity --patch patches/u5-dflash-full-block.patch   # a fix, on a copy of the pinned tree
 
@@ -18,13 +19,16 @@ import json
 import sys
 from pathlib import Path
 
+from dflash_llama.cli_args import add_model_args, add_threads_arg, threads
+
 DEFAULT_LIMIT = 3
 DEFAULT_N_PREDICT = 32
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", type=Path, help="target GGUF")
-    p.add_argument("--draft", type=Path, help="DFlash draft GGUF")
+    add_model_args(p, target_help="target GGUF",
+                   draft_help="DFlash draft: GGUF, or HF directory (converted to --outtype once and cached; it is "
+                              "then also --draft-hf)")
     p.add_argument("--draft-hf", type=Path, help="the draft's Hugging Face checkpoint: enables the converter "
                                                  "stage and the target-layer check, and is the reference's weights")
     p.add_argument("--target-hf", type=Path, help="the target's Hugging Face directory for the reference target "
@@ -34,9 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
                    help=f"prompts used, spread over the set (default {DEFAULT_LIMIT})")
     p.add_argument("-n", "--n-predict", type=int, default=DEFAULT_N_PREDICT,
-                   help=f"tokens generated per prompt in the end-to-end stage (default {DEFAULT_N_PREDICT})")
+                   help=f"tokens generated per prompt in the end-to-end stage, a check kept short "
+                        f"(default {DEFAULT_N_PREDICT})")
     p.add_argument("--graph-prompts", type=int, default=2, help="prompts feeding the graph stage (default 2)")
-    p.add_argument("-t", "--threads", type=int, default=1, help="CPU threads (default 1)")
+    add_threads_arg(p)
     p.add_argument("--out", type=Path, help="output folder (reports/NAME/); with --all the parent of one "
                                             "folder per pair (default reports/parity/)")
     p.add_argument("--name", help="report name (default: the --out folder's name)")
@@ -45,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default", action="store_true",
                    help="the embedded default pair (SmolLM2-135M Q4_1 + its draft, converted to --outtype); "
                         "--out defaults to reports/smollm2-135m-dflash/")
-    p.add_argument("--outtype", default="f16", help="with --default: the draft's GGUF type (default f16, as "
-                                                   "`dflash-llama run` uses)")
+    p.add_argument("--outtype", default="f16", help="with --default or an HF -md: the draft's GGUF type (default "
+                                                   "f16, as `dflash-llama run` uses)")
     p.add_argument("--all", action="store_true", help="check every pair of the registry")
     p.add_argument("--only", help="with --all: comma-separated pair names")
     p.add_argument("--registry", type=Path, help="registry file (default: parity/registry.toml)")
@@ -105,33 +110,29 @@ def run_one(args, target, draft, draft_hf, target_hf, out: Path, name: str, note
 
 
 def main(args) -> int:
-    try:
-        if args.patch:
-            from .patched import main as patched_main
+    args.threads = threads(args.threads)  # a count: llama.cpp's tools and torch take one
+    if args.patch:
+        from .patched import main as patched_main
 
-            return patched_main([str(args.patch)])
-        if args.quant_study:
-            from .quant_study import main as quant_main
+        return patched_main([str(args.patch)])
+    if args.quant_study:
+        return _main_quant_study(args)
+    if args.all:
+        return _main_all(args)
+    if args.default:
+        return _main_default(args)
+    flags = (("target", "-m"), ("draft", "-md"), ("out", "--out"))
+    missing = [flag for key, flag in flags if getattr(args, key) is None]
+    if missing:
+        raise ValueError(f"{' '.join(missing)} required (or --all)")
+    draft, draft_hf = Path(args.draft), args.draft_hf
+    if draft.is_dir() and (draft / "config.json").exists():  # an HF draft: the one conversion, cached
+        from dflash_llama.converter.pair import resolve_draft
 
-            return quant_main(args)
-        if args.all:
-            return _main_all(args)
-        if args.default:
-            return _main_default(args)
-        missing = [f for f in ("target", "draft", "out") if getattr(args, f) is None]
-        if missing:
-            print(f"dflash-llama parity: error: --{' --'.join(missing)} required (or --all)", file=sys.stderr)
-            return 2
-        report = run_one(args, args.target, args.draft, args.draft_hf, args.target_hf, args.out,
-                         args.name or args.out.resolve().name)
-        return 0 if report["passed"] else 1
-    except (FileNotFoundError, ValueError) as e:
-        print(f"dflash-llama parity: error: {e}", file=sys.stderr)
-        return 2
-
-
-PLACEHOLDER_NOTE = ("placeholder: the draft is a random SmolLM2-shaped draft, not the trained default "
-                    "(python/dflash_llama/data/smollm2-135m-dflash/ does not exist yet); tau means nothing here")
+        draft, draft_hf = resolve_draft(draft, args.target, args.outtype), draft_hf or draft
+    report = run_one(args, args.target, draft, draft_hf, args.target_hf, args.out,
+                     args.name or args.out.resolve().name)
+    return 0 if report["passed"] else 1
 
 
 def _main_default(args) -> int:
@@ -141,9 +142,38 @@ def _main_default(args) -> int:
     pair = registry.Pair(name=f"smollm2-135m-dflash-{args.outtype}", kind="default", outtype=args.outtype)
     res = registry.resolve(pair, defaults)
     out = args.out or Path("reports") / defaults.get("draft_dir", "smollm2-135m-dflash")
-    report = run_one(args, res.target, res.draft, res.draft_hf, None, out, args.name or pair.name,
-                     PLACEHOLDER_NOTE if res.placeholder else None)
+    report = run_one(args, res.target, res.draft, res.draft_hf, None, out, args.name or pair.name)
     return 0 if report["passed"] else 1
+
+
+def _main_quant_study(args) -> int:
+    import math
+
+    from dflash_llama import fixtures
+
+    from . import quant_study, registry
+
+    if args.out is None:
+        raise ValueError("--quant-study needs --out")
+    if (args.target is None) != (args.draft_hf is None):
+        raise ValueError("--quant-study needs both -m and --draft-hf (or neither)")
+    if args.target is None:  # the embedded pair
+        _, defaults = registry.load(args.registry or registry.REGISTRY_PATH)
+        target, draft_hf = fixtures.smollm2_gguf(), registry.default_draft_dir(defaults)
+        title = args.name or "smollm2-135m-dflash"
+    else:
+        target, draft_hf = args.target, args.draft_hf
+        title = args.name or args.out.resolve().name
+    work = registry.cache_dir() / "quant" / Path(draft_hf).resolve().name  # GGUFs stay out of reports/
+    study = quant_study.run_study(Path(target), Path(draft_hf), work, _prompts(args), args.n_predict,
+                                  n_threads=args.threads, graph_prompts=args.graph_prompts,
+                                  native=not args.no_native, progress_bar=not args.quiet)
+    paths = quant_study.write(study, args.out, title)
+    for r in study["rows"]:
+        print(f"{r['outtype']:5s} max ref/runtime {r['max_error'].get('reference/runtime', math.nan):.1e}  "
+              f"tau runtime {r['tau_runtime']:.2f}  graph {r['graph_status']}")
+    print(f"quantisation study: {paths['md']}")
+    return 0
 
 
 def _main_all(args) -> int:
@@ -164,9 +194,8 @@ def _main_all(args) -> int:
             print(f"parity {pair.name}: skipped ({res.skip})")
             rows.append((pair.name, "skipped", res.skip))
             continue
-        note = PLACEHOLDER_NOTE if res.placeholder else None
         report = run_one(args, res.target, res.draft, res.draft_hf, res.target_hf, out_root / pair.name,
-                         pair.name, note)
+                         pair.name)
         got = "pass" if report["passed"] else "fail"
         if got == pair.expect:
             verdict = got if pair.expect == "pass" else f"fail as expected ({pair.finding})"

@@ -23,7 +23,7 @@ def bench_run(tiny_target_gguf, tiny_draft_hf, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "tiny"
     before = set(server.processes_of(paths.tool("llama-server")))
     with pytest.MonkeyPatch.context() as mp:  # the converted draft is cached: keep it out of the home folder
-        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        mp.setenv("DFLASH_LLAMA_CACHE", str(tmp_path_factory.mktemp("cache")))
         rc = cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tiny_draft_hf), "--limit", "2",
                        "-n", "12", "-t", "1", "--block-sizes", "2,4,16", "--ngram-types", "ngram-simple,ngram-mod",
                        "--pilot-prompts", "2", "--calibration-tokens", "6", "--server-concurrency", "1,2",
@@ -43,7 +43,7 @@ def test_writes_every_file(bench_run):
         assert f"![{png}]({png})" in md
     assert "| HumanEval/0 | llama.cpp native DFlash B=4 |" in md and "**no**" not in md
     # the command that produced the numbers, every setting spelled out
-    assert res["command"].startswith("dflash-llama bench --target ") and "--limit 2 -n 12 --block-sizes 2,4,16" \
+    assert res["command"].startswith("dflash-llama bench -m ") and "--limit 2 -n 12 --block-sizes 2,4,16" \
         in res["command"] and f"```\n{res['command']}\n```" in md
     assert res["settings"]["stopped_by_budget"] is False and "--budget-min 20" in res["command"]
 
@@ -179,7 +179,7 @@ def test_server_levels_and_no_process_left(bench_run):
 
 def test_bad_arguments_exit_2(capsys, tiny_target_gguf, tmp_path):
     assert cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tmp_path / "nope.gguf")]) == 2
-    assert f"--draft {tmp_path / 'nope.gguf'}: no such file or folder" in capsys.readouterr().err
+    assert f"dflash-llama bench: error: no DFlash draft at {tmp_path / 'nope.gguf'}" in capsys.readouterr().err
     assert cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tmp_path)]) == 2
     assert "neither a GGUF nor a Hugging Face checkpoint (no config.json)" in capsys.readouterr().err
     assert cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tmp_path),

@@ -27,7 +27,14 @@ def prompt_file(tmp_path_factory) -> Path:
 
 def test_missing_arguments(capsys):
     assert cli.main(["parity", "--target", "t.gguf"]) == 2
-    assert "--draft --out required (or --all)" in capsys.readouterr().err
+    assert "dflash-llama parity: error: -md --out required (or --all)" in capsys.readouterr().err
+
+
+def test_quant_study_arguments(tmp_path, capsys):
+    assert cli.main(["parity", "--quant-study"]) == 2
+    assert "dflash-llama parity: error: --quant-study needs --out" in capsys.readouterr().err
+    assert cli.main(["parity", "--quant-study", "-m", "t.gguf", "--out", str(tmp_path / "q")]) == 2
+    assert "--quant-study needs both -m and --draft-hf (or neither)" in capsys.readouterr().err
 
 
 def test_missing_file(tmp_path, capsys, pair):

@@ -1,4 +1,5 @@
-"""`dflash-llama generate --engine reference`: arguments, the JSON schema, errors."""
+"""`dflash-llama generate`: the reference engine (and the runtime engine against it), arguments, the
+JSON schema, errors."""
 
 from __future__ import annotations
 
@@ -15,8 +16,16 @@ from dflash_llama.reference import (Sampling, generate_autoregressive, generate_
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """The runtime engine converts an HF draft into the cache: keep it out of the home folder."""
+    monkeypatch.setenv("DFLASH_LLAMA_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
 def run(capsys, *argv) -> tuple[int, str, str]:
-    rc = cli.main(["generate", *map(str, argv)])
+    """`dflash-llama generate --engine reference ARGV` (a later --engine in ARGV wins)."""
+    rc = cli.main(["generate", "--engine", "reference", *map(str, argv)])
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -106,23 +115,25 @@ def test_draft_max_must_be_auto_or_a_count(capsys):
 def test_runtime_engine_needs_a_gguf_target(capsys, tiny_draft_hf, tiny_target_hf):
     rc, out, err = run(capsys, "--engine", "runtime", "--target", tiny_target_hf, "--draft",
                        tiny_draft_hf, "-p", "hello", "-n", 4, "--json")
-    assert (rc, out) == (1, "")
+    assert (rc, out) == (2, "")
     assert "--engine runtime reads the target through llama.cpp: give a .gguf" in err
 
 
-@pytest.mark.parametrize("args, rc, message", [
-    (["-p", "x"], 2, "give --draft D, or --no-draft for plain target decoding"),
-    (["--no-draft", "--draft", "D", "-p", "x"], 2, "give --draft D, or --no-draft"),
-    (["--no-draft", "--block-size", "4", "-p", "x"], 2, "--block-size needs a draft"),
-    (["--no-draft", "--prompt-ids", "1,x"], 1, "--prompt-ids '1,x': expected comma-separated"),
-    (["--no-draft", "--prompt-ids", "5", "-n", "0"], 1, "-n must be >= 1, got 0"),
-    (["--no-draft", "--prompt-ids", "5", "--top-p", "0"], 1, r"--top-p must be in \(0, 1\]"),
-    (["--draft", "D", "--prompt-ids", "5", "--block-size", "0"], 1, "--block-size must be >= 1"),
+@pytest.mark.parametrize("args, message", [
+    (["-p", "x"], "give -md DRAFT, or --no-draft for plain target decoding"),
+    (["--no-draft", "--draft", "D", "-p", "x"], "give -md DRAFT, or --no-draft"),
+    (["--no-draft", "--block-size", "4", "-p", "x"], "--block-size needs a draft"),
+    (["--no-draft", "--prompt-ids", "1,x"], "--prompt-ids '1,x': expected comma-separated"),
+    (["--no-draft", "--prompt-ids", "5", "-n", "0"], "max_new_tokens must be >= 1, got 0"),
+    (["--no-draft", "--prompt-ids", "5", "--top-p", "0"], r"top_p must be in \(0, 1\], got 0.0"),
+    (["--draft", "TINY_DRAFT", "--prompt-ids", "5", "--block-size", "0"], "block_size must be >= 1, got 0"),
 ])
-def test_argument_errors(capsys, tiny_target_hf, args, rc, message):
+def test_argument_errors(capsys, tiny_target_hf, tiny_draft_hf, args, message):
+    """Usage and input errors: exit 2, one line; the values are checked by the engine (reference/speculative.py)."""
+    args = [str(tiny_draft_hf) if a == "TINY_DRAFT" else a for a in args]
     got_rc, out, err = run(capsys, "--target", tiny_target_hf, *args)
-    assert (got_rc, out) == (rc, "")
-    assert err.startswith("dflash-llama generate: ") and err.count("\n") == 1, err
+    assert (got_rc, out) == (2, "")
+    assert err.startswith("dflash-llama generate: error: ") and err.count("\n") == 1, err
     assert re.search(message, err), err
 
 
@@ -135,10 +146,10 @@ def test_mismatched_draft_and_missing_files(capsys, tiny_target_hf, tmp_path):
     (narrow / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32}))
     draft = fixtures.tiny_draft_hf(tmp_path / "draft", narrow)
     rc, out, err = run(capsys, "--target", tiny_target_hf, "--draft", draft, "-p", "x")
-    assert rc == 1
+    assert rc == 2
     assert "has hidden size 32 but target" in err and "made for another target" in err
     rc, out, err = run(capsys, "--target", tmp_path / "nope", "--no-draft", "-p", "x")
-    assert rc == 1 and "nope does not exist" in err
+    assert rc == 2 and "nope does not exist" in err
 
 
 def test_gguf_target_and_gguf_draft(capsys, tiny_target_gguf, pinned_draft_ggufs,

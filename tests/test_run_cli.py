@@ -15,8 +15,8 @@ PROMPT = 'def count_vowels(text: str) -> int:\n    """Return how many vowels tex
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    return tmp_path / "dflash-llama"
+    monkeypatch.setenv("DFLASH_LLAMA_CACHE", str(tmp_path))
+    return tmp_path
 
 
 def test_the_packaged_draft_is_small_and_made_for_smollm2():
@@ -52,7 +52,8 @@ def test_run_picks_draft_max_by_measuring(capsys, cache):
 
 
 def test_run_with_a_missing_draft_says_so(capsys, cache, tmp_path):
-    rc = cli.main(["run", "--draft", str(tmp_path / "nowhere"), "-n", "4"])
+    rc = cli.main(["run", "-md", str(tmp_path / "nowhere"), "-n", "4"])
     _, err = capsys.readouterr()
-    assert rc == 1
+    assert rc == 2
     assert f"dflash-llama run: error: no DFlash draft at {tmp_path / 'nowhere'}" in err
+    assert err.count("\n") == 1, err

@@ -1,6 +1,6 @@
 """`dflash-llama train`: build the dataset with the target itself, then train a draft on it.
 
-    dflash-llama train --target SmolLM2-135M-Instruct.Q4_1.gguf --out drafts/smollm2 \\
+    dflash-llama train -m SmolLM2-135M-Instruct.Q4_1.gguf --out drafts/smollm2 \\
         --layers 2 --block-size 8 --target-layer-ids 1,8,14,20,27 --epochs 4
 
 Both stages resume where they stopped: run the same command again after an interruption.
@@ -14,9 +14,11 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from dflash_llama.cli_args import add_model_args, add_seed_arg, add_threads_arg
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="target model (GGUF)")
+    add_model_args(p, target_required=True, target_help="target model (GGUF)")
     p.add_argument("--out", required=True, type=Path, help="output folder for the draft (HF format)")
     p.add_argument("--data", type=Path, help="dataset folder (default: OUT/data); built if missing")
     p.add_argument("--extra-data", type=Path, action="append", default=[],
@@ -40,9 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "target writes itself (it samples function signatures, each prompt opens the docstring; "
                         "see train_data.self_prompts). Parallel builds of self prompts: seeds 100000 apart")
     p.add_argument("--build-only", action="store_true", help="build the dataset (--data) and stop")
-    p.add_argument("--init", type=Path, help="start from this draft checkpoint (HF folder) instead of random "
-                   "weights: fine-tuning on more data; one with fewer layers than --layers grows (the new "
-                   "layers start as identities)")
+    p.add_argument("-md", "--model-draft", "--init", dest="init", type=Path, metavar="DRAFT_DIR",
+                   help="start from this draft checkpoint (HF folder) instead of random weights: fine-tuning on "
+                        "more data; one with fewer layers than --layers grows (the new layers start as identities)")
     p.add_argument("--max-new-tokens", type=int, default=192, help="target response length per prompt")
     p.add_argument("--layers", type=int, default=2, help="draft layers")
     p.add_argument("--block-size", type=int, default=8)
@@ -64,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cross-entropy on its greedy token (0: cross-entropy only). The target's logits come from "
                         "its deepest captured layer through its remaining layers, run in PyTorch (llama, qwen3)")
     p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all)")
+    add_seed_arg(p, "seed of the prompt list, the target's sampling and training")
+    add_threads_arg(p)
     p.add_argument("--evaluate", action="store_true",
                    help="after training, evaluate on HumanEval: our runtime, llama.cpp's draft-dflash (checkpoint "
                         "converted by the pinned converter) and the dflash package; writes OUT/eval.json")
@@ -78,83 +80,77 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import dflash_llama
-    from dflash_llama.runtime import Runtime
-
-    from dflash_llama.reference.model import default_target_layer_ids
-    from .trainer import TrainConfig, cpu_has_bf16, train
-    from .data import DatasetSpec, build_dataset, code_prompts
-
     target = Path(args.target)
+    layer_ids = _check_arguments(args, target)
+    if args.eval_only:
+        return _evaluate(args, target)
+    data = args.data or args.out / "data"
+    _build_dataset(args, target, data, layer_ids)
+    if args.build_only:
+        return 0
+    _train(args, target, data, layer_ids)
+    return _evaluate(args, target) if args.evaluate else 0
+
+
+def _check_arguments(args: argparse.Namespace, target: Path) -> list[int]:
+    """The target layers the draft reads; ValueError (exit 2) for any bad argument, before any work."""
+    import dflash_llama
+    from dflash_llama.reference.model import default_target_layer_ids
+
     if target.is_dir():
-        print("dflash-llama train: error: training reads the target through llama.cpp: give its GGUF "
-              "(convert an HF directory with llama.cpp's convert_hf_to_gguf.py first)", file=sys.stderr)
-        return 2
-    try:
-        info = dflash_llama.gguf_info(target)
-    except ValueError as e:
-        print(f"dflash-llama train: error: {e}", file=sys.stderr)
-        return 1
-    n_layers = int(info.block_count)
+        raise ValueError("training reads the target through llama.cpp: give its GGUF (convert an HF directory "
+                         "with llama.cpp's convert_hf_to_gguf.py first)")
+    n_layers = int(dflash_llama.gguf_info(target).block_count)
     if args.target_layer_ids:
         try:
             layer_ids = [int(x) for x in args.target_layer_ids.split(",")]
         except ValueError:
-            print(f"dflash-llama train: error: --target-layer-ids must be integers, got {args.target_layer_ids!r}",
-                  file=sys.stderr)
-            return 2
+            raise ValueError(f"--target-layer-ids must be integers, got {args.target_layer_ids!r}") from None
     else:
         layer_ids = default_target_layer_ids(n_layers, args.layers)
     bad = [i for i in layer_ids if not 0 <= i < n_layers]
     if bad:
-        print(f"dflash-llama train: error: target layer {bad[0]} is outside the target's {n_layers} layers",
-              file=sys.stderr)
-        return 2
+        raise ValueError(f"target layer {bad[0]} is outside the target's {n_layers} layers")
     if args.block_size < 2:
-        print("dflash-llama train: error: --block-size must be at least 2", file=sys.stderr)
-        return 2
+        raise ValueError("--block-size must be at least 2")
     if args.gamma < 0:
-        print(f"dflash-llama train: error: --gamma must be positive (0: the published value), got {args.gamma}",
-              file=sys.stderr)
-        return 2
+        raise ValueError(f"--gamma must be positive (0: the published value), got {args.gamma}")
     if not 0.0 <= args.distill <= 1.0:
-        print(f"dflash-llama train: error: --distill is a weight between 0 and 1, got {args.distill}", file=sys.stderr)
-        return 2
-
+        raise ValueError(f"--distill is a weight between 0 and 1, got {args.distill}")
     engines = tuple(e for e in args.eval_engines.split(",") if e)
-    unknown = set(engines) - {"runtime", "native", "published"}
-    if unknown or not engines:
-        print(f"dflash-llama train: error: --eval-engines takes runtime, native, published; got "
-              f"{args.eval_engines!r}", file=sys.stderr)
-        return 2
+    if set(engines) - {"runtime", "native", "published"} or not engines:
+        raise ValueError(f"--eval-engines takes runtime, native, published; got {args.eval_engines!r}")
     args.eval_engines = engines
     if args.init is not None and not (args.init / "config.json").exists():
-        print(f"dflash-llama train: error: --init {args.init}: no draft checkpoint there (config.json)",
-              file=sys.stderr)
-        return 1
-    if args.eval_only:
-        return _evaluate(args, target)
+        raise FileNotFoundError(f"--init {args.init}: no draft checkpoint there (config.json)")
+    if args.prompt_source == "self" and not args.prompts and not args.eval_only:
+        raise ValueError("--prompt-source self needs --prompts N (how many exercises the target writes)")
+    return layer_ids
 
-    data = args.data or args.out / "data"
-    packages = [p for p in args.packages.split(",") if p]
+
+def _prompt_source(args: argparse.Namespace) -> str:
+    """What the dataset's prompts are, as the manifest records it: the list and the slice taken of it."""
     end = args.prompt_offset + args.prompts if args.prompts else ""
     style = f", style={args.prompt_style!r}" if args.prompt_style != "docstring" else ""
     if args.prompt_source == "self":
-        if not args.prompts:
-            print("dflash-llama train: error: --prompt-source self needs --prompts N (how many exercises "
-                  "the target writes)", file=sys.stderr)
-            return 2
-        source = f"self_prompts(seed={args.seed}{style})[{args.prompt_offset}:{end}]"
-    else:
-        source = (f"code_prompts(seed={args.seed}, packages={packages}, stdlib={not args.no_stdlib}, "
-                  f"with_examples={args.with_examples}{style})[{args.prompt_offset}:{end}]")
+        return f"self_prompts(seed={args.seed}{style})[{args.prompt_offset}:{end}]"
+    packages = [p for p in args.packages.split(",") if p]
+    return (f"code_prompts(seed={args.seed}, packages={packages}, stdlib={not args.no_stdlib}, "
+            f"with_examples={args.with_examples}{style})[{args.prompt_offset}:{end}]")
+
+
+def _build_dataset(args: argparse.Namespace, target: Path, data: Path, layer_ids: list[int]) -> None:
+    """The target's responses and features for this command's prompts (resumes an interrupted build)."""
+    from dflash_llama.runtime import Runtime
+
+    from .data import DatasetSpec, build_dataset, code_prompts
+
+    source = _prompt_source(args)
     mismatch = _other_prompts(data, source)
     if mismatch:
-        print(f"dflash-llama train: error: {data} holds the responses to {mismatch}, not to this command's "
-              f"{source}: give the options it was built with (--packages, --no-stdlib, --with-examples, "
-              f"--prompt-style, --prompt-offset, --seed), or name it with --extra-data to train on it as it is",
-              file=sys.stderr)
-        return 2
+        raise ValueError(f"{data} holds the responses to {mismatch}, not to this command's {source}: give the "
+                         f"options it was built with (--packages, --no-stdlib, --with-examples, --prompt-style, "
+                         f"--prompt-offset, --seed), or name it with --extra-data to train on it as it is")
     spec = DatasetSpec(target=str(target), layer_ids=layer_ids, max_new_tokens=args.max_new_tokens,
                        n_ctx=1024, source=source)
     how = "--target-layer-ids" if args.target_layer_ids else f"the published rule for --layers {args.layers}"
@@ -162,14 +158,17 @@ def main(args: argparse.Namespace) -> int:
     if args.prompt_source == "self":
         prompts = _target_written_prompts(target, data, args)
     else:
-        prompts = code_prompts(seed=args.seed, packages=packages, stdlib=not args.no_stdlib,
-                               with_examples=args.with_examples, style=args.prompt_style)
+        prompts = code_prompts(seed=args.seed, packages=[p for p in args.packages.split(",") if p],
+                               stdlib=not args.no_stdlib, with_examples=args.with_examples, style=args.prompt_style)
         prompts = prompts[args.prompt_offset:][:args.prompts or None]
     rt = Runtime(target, None, n_threads=args.threads, n_ctx=spec.n_ctx, n_batch=512)
     build_dataset(rt, prompts, data, spec)
-    del rt
-    if args.build_only:
-        return 0
+
+
+def _train(args: argparse.Namespace, target: Path, data: Path, layer_ids: list[int]) -> None:
+    """Train the draft into --out; writes OUT/train_log.json."""
+    from .model_card import dataset_summary
+    from .trainer import TrainConfig, cpu_has_bf16, train
 
     cfg = TrainConfig(target_layer_ids=layer_ids, layers=args.layers, block_size=args.block_size,
                       mask_token_id=args.mask_token_id, ffn=args.ffn, epochs=args.epochs, lr=args.lr,
@@ -179,8 +178,6 @@ def main(args: argparse.Namespace) -> int:
     log = train([data, *args.extra_data], target, args.out, cfg, threads=args.threads, init=args.init)
     summary = {"steps": log.steps[-1] if log.steps else 0, "final_loss": log.loss[-1] if log.loss else None,
                "heldout_tau": log.heldout_tau[-1][1] if log.heldout_tau else None, "wall_s": round(log.wall_s, 1)}
-    from .model_card import dataset_summary
-
     init_log = args.init / "train_log.json" if args.init else None
     record = {**summary, "command": "dflash-llama train " + " ".join(sys.argv[2:]), "config": asdict(cfg),
               "data": [str(d) for d in [data, *args.extra_data]],
@@ -189,7 +186,6 @@ def main(args: argparse.Namespace) -> int:
               "loss": log.loss, "heldout_tau_curve": log.heldout_tau}
     (args.out / "train_log.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(summary))
-    return _evaluate(args, target) if args.evaluate else 0
 
 
 def _target_written_prompts(target: Path, data: Path, args: argparse.Namespace) -> list[str]:
@@ -237,11 +233,9 @@ def _evaluate(args: argparse.Namespace, target: Path) -> int:
     card_data += args.extra_data
     for d in card_data:
         if not (d / "manifest.json").exists():
-            print(f"dflash-llama train: error: {d}: not a dataset (no manifest.json)", file=sys.stderr)
-            return 1
+            raise FileNotFoundError(f"{d}: not a dataset (no manifest.json)")
     if not (args.out / "config.json").exists():
-        print(f"dflash-llama train: error: no checkpoint in {args.out} to evaluate", file=sys.stderr)
-        return 1
+        raise FileNotFoundError(f"no checkpoint in {args.out} to evaluate")
     ev = evaluate(args.out, target, args.out, n_prompts=args.eval_prompts, n_published=args.eval_published_prompts,
                   block_size=args.block_size, threads=args.threads,
                   engines=args.eval_engines)

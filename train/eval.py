@@ -184,21 +184,21 @@ def score_published(target: Path, checkpoint: Path, prompts: list[str], n_predic
 def evaluate(checkpoint: Path, target: Path, out: Path, *, n_prompts: int = 164, n_published: int = 40,
              n_predict: int = 128, block_size: int = 8, threads: int = 0, engines=("runtime", "native", "published"),
              progress: bool = True) -> DraftEvaluation:
-    from dflash_llama.converter.pair import draft_gguf
+    from dflash_llama.converter.pair import resolve_draft
 
     prompts = humaneval_prompts()[:n_prompts]
     ev = DraftEvaluation(str(checkpoint), str(target), block_size, n_predict)
     work = out / "eval-work"
     work.mkdir(parents=True, exist_ok=True)
     if "runtime" in engines:
-        ev.scores.append(score_runtime(target, draft_gguf(checkpoint, target, "f16"), prompts, n_predict,
+        ev.scores.append(score_runtime(target, resolve_draft(checkpoint, target, "f16"), prompts, n_predict,
                                        block_size, threads, progress))
     if "native" in engines:
         ev.scores.append(score_native(target, checkpoint, prompts, n_predict, block_size, threads, work, progress))
     if "published" in engines:
         sub = prompts[:n_published]
         if n_published < len(prompts):  # our runtime on the same subset, for a like-for-like ratio
-            ev.scores.append(score_runtime(target, draft_gguf(checkpoint, target, "f16"), sub, n_predict,
+            ev.scores.append(score_runtime(target, resolve_draft(checkpoint, target, "f16"), sub, n_predict,
                                            block_size, threads, progress))
             ev.scores[-1].engine += f" (first {n_published})"
         ev.scores.append(score_published(target, checkpoint, sub, n_predict, block_size, progress))

@@ -1,7 +1,8 @@
 """The `dflash-llama` command: one entry point, one subcommand per job.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `main(args) -> int`;
-this file only routes to them.
+this file routes to them and turns every error a subcommand raises into one line and an exit code
+(cli_args: 2 for usage and input errors, 1 for runtime failures, 3 for an exactness failure).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from .cli_args import INPUT_ERRORS, RUNTIME_ERRORS, report_error
 
 # name -> (module implementing it, one-line help)
 SUBCOMMANDS = {
@@ -21,33 +24,31 @@ SUBCOMMANDS = {
 }
 
 
-def _load(module_name: str):
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and module_name.startswith(e.name):
-            return None  # not written yet
-        raise
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line: `dflash-llama run: error: ... (see --help)`, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    ap = argparse.ArgumentParser(prog="dflash-llama",
-                                 description="DFlash speculative decoding on GGUF models.")
+    ap = Parser(prog="dflash-llama", description="DFlash speculative decoding on GGUF models.")
     ap.add_argument("--version", action="store_true", help="print versions and exit")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        module = _load(module_name)
-        if module is not None:
-            module.add_arguments(p)
-        modules[name] = module
+        modules[name] = importlib.import_module(module_name)
+        modules[name].add_arguments(p)
+    ap.subcommands = dict(sub.choices)  # name -> its parser
     return ap, modules
 
 
 def main(argv: list[str] | None = None) -> int:
     ap, modules = build_parser()
     args, extra = ap.parse_known_args(argv)
+    if extra:  # named by the subcommand that does not know them
+        ap.subcommands.get(args.command, ap).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.version:
         import dflash_llama
 
@@ -57,13 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         ap.print_help()
         return 2
-    module = modules[args.command]
-    if module is None:
-        print(f"dflash-llama {args.command}: not implemented yet", file=sys.stderr)
-        return 2
-    if extra:
-        ap.parse_args(argv)  # let argparse report the unknown arguments, exit 2
-    return int(module.main(args) or 0)
+    try:
+        return int(modules[args.command].main(args) or 0)
+    except INPUT_ERRORS + RUNTIME_ERRORS as e:
+        return report_error(args.command, e)
+    except KeyboardInterrupt:
+        print(f"dflash-llama {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

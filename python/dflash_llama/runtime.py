@@ -19,6 +19,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from .results import generation_json, plain_steps
+
 
 @dataclass
 class Step:
@@ -49,17 +51,16 @@ class Generation:
     acceptance_by_position: list[float]
     stats: Stats
 
-    def to_json(self) -> dict:
-        """The `dflash-llama generate --json` schema, shared with the reference engine."""
-        return {
-            "tokens": self.tokens,
-            "text": self.text,
-            "steps": [asdict(s) for s in self.steps],
-            "tau": self.tau,
-            "stop_reason": self.stop_reason,
-            "acceptance_by_position": self.acceptance_by_position,
-            "stats": asdict(self.stats),
-        }
+    def to_json(self, prompt_ids: Sequence[int] | None = None) -> dict:
+        """The `dflash-llama generate --json` object (`results.generation_json`). Plain decoding
+        (no steps after the first token) is written as the reference writes it: one step per decode."""
+        if self.steps or len(self.tokens) <= 1:
+            steps, tau = [asdict(s) for s in self.steps], self.tau
+        else:
+            steps, tau = plain_steps(len(self.tokens)), None
+        return generation_json(self.tokens, self.text, steps, tau, stop_reason=self.stop_reason,
+                               acceptance_by_position=self.acceptance_by_position, stats=asdict(self.stats),
+                               prompt_ids=prompt_ids)
 
 
 @dataclass
@@ -79,7 +80,11 @@ class Runtime:
                  kv_f32: bool = False, n_seq: int = 1, verbose: bool = False):
         """kv_f32: keep the target's KV cache in f32 (llama.cpp's default is f16), for parity runs.
         n_seq: sequences `autoregressive_batch` decodes side by side (n_ctx is per sequence)."""
-        from . import _core
+        try:
+            from . import _core
+        except ImportError as e:
+            raise RuntimeError(f"the native runtime (dflash_llama._core) is not built: {e}; build it with "
+                               "./setup.sh (or pip install --no-build-isolation -e .)") from e
 
         self._engine = _core.Engine(os.fspath(target), os.fspath(draft) if draft else "",
                                     n_threads, n_ctx, n_batch, n_gpu_layers, kv_f32, n_seq, verbose)
@@ -189,6 +194,9 @@ class Runtime:
     # -- internals ----------------------------------------------------------------------------
     def _params(self, max_new_tokens, temperature, top_p, top_k, seed, block_size, draft_max,
                 stop_tokens, stop_at_eog):
+        """The C++ request; the runtime checks it (check_request and friends, ValueError here). Only
+        what C++ cannot see is checked here: a negative seed (its type is unsigned) and values that
+        would collide with the "unset" encodings (block size 0: the draft's, draft_max -1: the block)."""
         p = self._core.GenerateParams()
         p.max_new_tokens = int(max_new_tokens)
         p.temperature = float(temperature)
@@ -197,10 +205,12 @@ class Runtime:
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         p.seed = int(seed)
-        p.block_size = int(block_size or 0)
-        p.draft_max = -1 if draft_max is None else int(draft_max)
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block size must be at least 2, got {block_size}")
+        p.block_size = 0 if block_size is None else int(block_size)
         if draft_max is not None and draft_max < 1:
             raise ValueError(f"draft_max must be at least 1, got {draft_max}")
+        p.draft_max = -1 if draft_max is None else int(draft_max)
         p.stop_tokens = [int(t) for t in stop_tokens]
         p.stop_at_eog = bool(stop_at_eog)
         return p

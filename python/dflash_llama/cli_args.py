@@ -1,0 +1,82 @@
+"""The flags every `dflash-llama` subcommand shares, spelled as llama.cpp spells them, with one default each.
+
+    -m/--model (alias --target)        the target GGUF
+    -md/--model-draft (alias --draft)  the DFlash draft: a GGUF, or a Hugging Face folder (converted once, cached)
+    -p/--prompt, -n/--n-predict, -t/--threads, -c/--ctx-size, -s/--seed, --temp, --block-size
+
+Exit codes: 0 success, 1 a runtime failure, 2 a usage or input error (bad flag value, missing or wrong
+file), 3 an exactness failure (speculative output differs from plain greedy decoding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+N_PREDICT = 128  # tokens to generate, as llama-dflash-cli
+THREADS = 0  # CPU threads; 0 = all
+CTX_SIZE = 4096  # context size per sequence, as llama-dflash-cli
+SEED = 0
+TEMP = 0.0  # greedy
+
+EXIT_RUNTIME, EXIT_USAGE, EXIT_INEXACT = 1, 2, 3
+# errors a user causes (a bad value, a missing or wrong file); the runtime's std::invalid_argument
+# arrives as ValueError
+INPUT_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
+RUNTIME_ERRORS = (RuntimeError, OSError, subprocess.SubprocessError)
+
+
+def add_model_args(p: argparse.ArgumentParser, *, target_help: str, draft_help: str | None = None,
+                   target_required: bool = False) -> None:
+    """-m/--model (alias --target) and, when draft_help is given, -md/--model-draft (alias --draft)."""
+    p.add_argument("-m", "--model", "--target", dest="target", metavar="TARGET", required=target_required,
+                   help=target_help)
+    if draft_help is not None:
+        p.add_argument("-md", "--model-draft", "--draft", dest="draft", metavar="DRAFT", help=draft_help)
+
+
+def add_generation_args(p: argparse.ArgumentParser, *, prompt: str | None = None, ctx: bool = True) -> None:
+    """-n/--n-predict, -t/--threads and (ctx) -c/--ctx-size, with the shared defaults; -p/--prompt
+    when `prompt` is its default (pass "" for no default)."""
+    if prompt is not None:
+        p.add_argument("-p", "--prompt", default=prompt or None,
+                       help="prompt" + (" (default: a small coding task)" if prompt else ""))
+    p.add_argument("-n", "--n-predict", type=int, default=N_PREDICT,
+                   help=f"tokens to generate (default {N_PREDICT})")
+    add_threads_arg(p)
+    if ctx:
+        p.add_argument("-c", "--ctx-size", type=int, default=CTX_SIZE,
+                       help=f"context size per sequence (default {CTX_SIZE})")
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-t", "--threads", type=int, default=THREADS, help="CPU threads (default 0: all)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temp", type=float, default=TEMP, help="temperature, 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (default 0 = off)")
+    add_seed_arg(p, "sampling seed")
+
+
+def add_seed_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("-s", "--seed", type=int, default=SEED, help=f"{what} (default {SEED})")
+
+
+def add_block_size_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-size", type=int, help="draft block size (default: the draft's)")
+
+
+def threads(n: int) -> int:
+    """A concrete thread count for --threads (0 = all CPUs), for tools that need one."""
+    return n if n > 0 else os.cpu_count() or 1
+
+
+def report_error(command: str, e: BaseException) -> int:
+    """Print `dflash-llama <command>: error: ...` on one line and return the exit code for `e`."""
+    message = " ".join(str(e).split()) or type(e).__name__
+    print(f"dflash-llama {command}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE if isinstance(e, INPUT_ERRORS) else EXIT_RUNTIME
