@@ -1,8 +1,9 @@
 """dflash-llama: DFlash speculative decoding on GGUF models.
 
 Native pieces live in the compiled module `dflash_llama._core` (runtime/ + bindings/); the
-PyTorch reference, converter, parity harness and benchmarks are the subpackages
-`dflash_llama.reference`, `.converter`, `.parity` and `.bench`.
+PyTorch reference, converter, trainer, parity harness and benchmarks are the subpackages
+`dflash_llama.reference`, `.converter`, `.train`, `.parity` and `.bench`. Importing this package
+and using `Runtime` or `gguf_info` needs numpy only (no torch): the base install.
 """
 
 from __future__ import annotations
