@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from dflash_llama.cli_args import add_model_args, add_threads_arg, threads

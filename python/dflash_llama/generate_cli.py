@@ -22,8 +22,7 @@ import time
 from dataclasses import dataclass
 
 from .bench.cost_model import parse_draft_max
-from .cli_args import (CTX_SIZE, THREADS, add_block_size_arg, add_generation_args, add_model_args,
-                       add_sampling_args)
+from .cli_args import CTX_SIZE, THREADS, add_block_size_arg, add_generation_args, add_model_args, add_sampling_args
 
 ENGINES = ("runtime", "reference")
 
@@ -80,8 +79,7 @@ def _run_reference(req: GenerateRequest) -> dict:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from .reference import (Sampling, Target, generate_autoregressive, generate_speculative,
-                            load_draft_for_target)
+    from .reference import Sampling, Target, generate_autoregressive, generate_speculative, load_draft_for_target
 
     sampling = Sampling(req.temperature, req.top_p, req.top_k, req.seed)  # checks them, before any loading
     torch.manual_seed(req.seed)

@@ -16,7 +16,6 @@ from .bench.cost_model import parse_draft_max, resolve_draft_max
 from .cli_args import EXIT_INEXACT, add_block_size_arg, add_generation_args, add_model_args
 from .converter.pair import DEFAULT_DRAFT, resolve_draft
 from .results import first_mismatch
-from .results import first_mismatch
 
 DEFAULT_PROMPT = '''def running_median(values: list[float]) -> list[float]:
     """Return the median of the first i + 1 values for every i.
