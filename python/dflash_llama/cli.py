@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from .cli_args import INPUT_ERRORS, RUNTIME_ERRORS, report_error
+from .cli_args import EXIT_CODES, INPUT_ERRORS, RUNTIME_ERRORS, report_error
 
 # name -> (module implementing it, one-line help)
 SUBCOMMANDS = {
@@ -37,7 +37,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=EXIT_CODES)
         modules[name] = importlib.import_module(module_name)
         modules[name].add_arguments(p)
     ap.subcommands = dict(sub.choices)  # name -> its parser

@@ -22,6 +22,8 @@ SEED = 0
 TEMP = 0.0  # greedy
 
 EXIT_RUNTIME, EXIT_USAGE, EXIT_INEXACT = 1, 2, 3
+EXIT_CODES = ("exit status: 0 done, 1 runtime failure, 2 usage or input error (bad value, missing or wrong "
+              "file), 3 exactness failure (output differs from plain greedy decoding)")
 # errors a user causes (a bad value, a missing or wrong file); the runtime's std::invalid_argument
 # arrives as ValueError
 INPUT_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
