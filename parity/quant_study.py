@@ -32,8 +32,7 @@ def run_study(target: Path, draft_hf: Path, work: Path, prompts: list, n_predict
 
     from . import bounds as B
     from .native import FLASH_ATTN, NativeDraft
-    from .stages import ParityConfig, Progress, head_type, keep_last, load_reference_target, stage_graph, \
-        tensor_types
+    from .stages import ParityConfig, Progress, head_type, keep_last, load_reference_target, stage_graph, tensor_types
 
     torch.set_num_threads(max(1, n_threads))
     work.mkdir(parents=True, exist_ok=True)

@@ -23,8 +23,7 @@ from dflash_llama.paths import display_path
 from dflash_llama.results import first_mismatch
 
 from . import bounds as B
-from .graph import PAIRS, GraphComparison, drafted_tokens, first_reader, graph_order, layer_of, \
-    reference_trace, rel_err
+from .graph import PAIRS, GraphComparison, drafted_tokens, first_reader, graph_order, layer_of, reference_trace, rel_err
 
 SCHEMA_VERSION = 1
 DEFAULT_PROMPTS = "humaneval"

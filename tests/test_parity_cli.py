@@ -6,11 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from parity_helpers import tiny_draft
 
 from dflash_llama import cli
 from dflash_llama.parity import faults, registry
-
-from parity_helpers import tiny_draft
 
 
 @pytest.fixture(scope="module")

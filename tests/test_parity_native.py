@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from parity_helpers import PROMPTS, tiny_draft
 
 import dflash_llama
 from dflash_llama import fixtures, peers
@@ -13,8 +14,6 @@ from dflash_llama.parity.graph import graph_order, reference_trace, rel_err
 from dflash_llama.parity.native import FLASH_ATTN, NativeDraft
 from dflash_llama.reference.checkpoint import load_draft
 from dflash_llama.reference.gguf_tensors import target_weights_from_gguf
-
-from parity_helpers import PROMPTS, tiny_draft
 
 torch.set_num_threads(1)
 
