@@ -20,8 +20,8 @@ class ConversionError(ValueError):
     """Bad input to the converter: the message says what is wrong and, where it can, what to do."""
 
 
-# safetensors dtype -> (bytes per element, how to read it as float32)
-_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
+# safetensors dtype -> (bytes per element, NumPy type of its bytes)
+_DTYPES = {"F32": (4, "<f4"), "F16": (2, "<f2"), "BF16": (2, "<u2")}
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,10 @@ class SourceTensor:
             raw = f.read(self.nbytes)
         if len(raw) != self.nbytes:
             raise ConversionError(f"{self.path}: truncated while reading tensor {self.name!r}")
-        if self.dtype == "F32":
-            data = np.frombuffer(raw, dtype="<f4").astype(np.float32)
-        elif self.dtype == "F16":
-            data = np.frombuffer(raw, dtype="<f2").astype(np.float32)
-        else:  # BF16: the top half of a float32
-            data = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-        return data.reshape(self.shape)
+        data = np.frombuffer(raw, dtype=_DTYPES[self.dtype][1])
+        if self.dtype == "BF16":  # the top half of a float32
+            data = (data.astype(np.uint32) << 16).view(np.float32)
+        return data.astype(np.float32).reshape(self.shape)
 
 
 def read_safetensors_header(path: Path) -> list[SourceTensor]:
@@ -84,7 +81,7 @@ def read_safetensors_header(path: Path) -> list[SourceTensor]:
         if dtype not in _DTYPES:
             raise ConversionError(
                 f"{path}: tensor {name!r} has dtype {dtype}; only F32, F16 and BF16 drafts are supported")
-        if end - begin != math.prod(shape) * _DTYPES[dtype]:
+        if end - begin != math.prod(shape) * _DTYPES[dtype][0]:
             raise ConversionError(f"{path}: corrupt safetensors entry for {name!r} (size does not match shape)")
         if data_start + end > size:
             raise ConversionError(

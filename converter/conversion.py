@@ -1,9 +1,9 @@
 """HF DFlash draft -> GGUF, in the layout the pinned llama.cpp reads (see dflash_llama.schema).
 
 Reads like a llama.cpp conversion class: check everything first (`make_plan`), then write the
-keys, the target's tokenizer and the tensors mapped by the table (`write_gguf`). The values are those of the pinned `convert_hf_to_gguf.py` bit for bit
-(f32/f16/bf16) and q8_0 byte for byte: same widening to float32, same gguf-py quantisers, same
-rule for which tensors stay f32.
+keys, the target's tokenizer and the tensors mapped by the table (`write_gguf`). The values are
+those of the pinned `convert_hf_to_gguf.py` bit for bit (f32/f16/bf16) and q8_0 byte for byte:
+same widening to float32, same gguf-py quantisers, same rule for which tensors stay f32.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter, LlamaFileType
+from gguf import GGMLQuantizationType as Q, GGUFWriter, LlamaFileType
 
 from dflash_llama import schema as L
 from dflash_llama.schema import DraftHParams
@@ -163,12 +162,6 @@ def _guess_outtype(plan: Plan) -> str:
 
 # --- writing --------------------------------------------------------------------------------------
 
-def metadata(plan: Plan, file_type: int) -> list[tuple[str, object]]:
-    """The model keys in the order the pinned converter writes them (after general.*, before the
-    tokenizer)."""
-    return plan.config.to_gguf_kv(file_type, mrope=plan.target.uses_mrope)
-
-
 def tensor_data(name: str, src: SourceTensor, cfg: DraftHParams, qtype: Q) -> tuple[np.ndarray, Q]:
     """One tensor as written: widened to float32, reordered if needed, then stored as `qtype`
     unless the pinned converter keeps it f32; q8_0 falls back to f16 on rows not a multiple of 32."""
@@ -195,7 +188,7 @@ def write_gguf(plan: Plan, path: Path, outtype: str) -> None:
     card.name = card.name or plan.draft_dir.resolve().name
     card.size_label = card.size_label or gguf.size_label(n_params, 0, 0, 0)
     card.set_gguf_meta_model(writer)
-    for key, value in metadata(plan, int(file_type)):
+    for key, value in plan.config.to_gguf_kv(int(file_type), mrope=plan.target.uses_mrope):  # the pinned order
         _add(writer, key, value)
     for f in tokenizer:
         if f.key != L.MASK_TOKEN_ID:  # the draft's own MASK wins over a target's

@@ -18,6 +18,7 @@ from typing import Any
 from gguf import GGUFReader, GGUFValueType
 
 from dflash_llama import schema as L
+
 from .checkpoint import ConversionError
 
 

@@ -101,7 +101,7 @@ def stage_converter(cfg: ParityConfig) -> dict:
 
     from dflash_llama.reference.checkpoint import load_draft, read_draft_gguf
 
-    _, gguf_tensors, own = read_draft_gguf(Path(cfg.draft))
+    _, gguf_tensors = read_draft_gguf(Path(cfg.draft))
     hf = {n: p.detach().float().numpy() for n, p in load_draft(cfg.draft_hf).named_parameters()}
     types = tensor_types(Path(cfg.draft))
     rows = []
@@ -144,8 +144,7 @@ def stage_converter(cfg: ParityConfig) -> dict:
     order = {n: i for i, n in enumerate(hf)}
     rows.sort(key=lambda r: order.get(r["hf_name"], len(order)))
     status = "pass" if all(r["passed"] for r in rows) else "fail"
-    return {"status": status, "requant_bound": B.REQUANT_BOUND, "tensors": rows,
-            "own_embeddings": sorted(own)}
+    return {"status": status, "requant_bound": B.REQUANT_BOUND, "tensors": rows}
 
 
 # ---------------------------------------------------------------- stage 2: capture + layers

@@ -60,9 +60,7 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                  linear_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [n, head_dim] for NeoX (rotate-half) RoPE, computed in f32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if linear_factor != 1.0:
-        inv_freq = inv_freq / linear_factor
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)) / linear_factor
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -199,17 +197,10 @@ class DFlashDraft(nn.Module):
         self.embed_tokens: torch.Tensor | None = None  # the target's, [V, H]
         self.lm_head: torch.Tensor | None = None  # the target's, [V, H]
 
-    @property
-    def block_size(self) -> int:
-        return self.config.block_size
-
-    @property
-    def mask_token_id(self) -> int:
-        return self.config.mask_token_id
-
-    @property
-    def target_layer_ids(self) -> list[int]:
-        return self.config.target_layer_ids
+    # the config's, under the names the speculative loop reads
+    block_size = property(lambda self: self.config.block_size)
+    mask_token_id = property(lambda self: self.config.mask_token_id)
+    target_layer_ids = property(lambda self: self.config.target_layer_ids)
 
     def attach_target(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
         """Use the target's token embeddings and output head ([vocab, hidden] each)."""

@@ -227,7 +227,7 @@ def test_cli_prints_one_error_line_and_exits_2(draft, tiny_target_hf, tmp_path, 
     err = capsys.readouterr().err
     assert rc == 2
     assert err.startswith("dflash-llama convert: error: ")
-    assert "DFlash2 drafts are not supported yet" in err
+    assert "config.json: DFlash 2 drafts are not supported yet" in err
     assert err.count("\n") == 1
     assert not out.exists()
 

@@ -16,63 +16,19 @@ No torch here: the converter and the CLI import this without PyTorch.
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_VERSION, GGUFValueType
 
 ARCH = "dflash"
-
-# --- keys ---------------------------------------------------------------------------------------
-
-GENERAL_ARCHITECTURE = "general.architecture"
-GENERAL_TYPE = "general.type"
-GENERAL_NAME = "general.name"
-GENERAL_FILE_TYPE = "general.file_type"
-GENERAL_QUANTIZATION_VERSION = "general.quantization_version"
-
-BLOCK_COUNT = f"{ARCH}.block_count"
-CONTEXT_LENGTH = f"{ARCH}.context_length"
-EMBEDDING_LENGTH = f"{ARCH}.embedding_length"
-FEED_FORWARD_LENGTH = f"{ARCH}.feed_forward_length"
-HEAD_COUNT = f"{ARCH}.attention.head_count"
-HEAD_COUNT_KV = f"{ARCH}.attention.head_count_kv"
-KEY_LENGTH = f"{ARCH}.attention.key_length"
-VALUE_LENGTH = f"{ARCH}.attention.value_length"
-RMS_EPS = f"{ARCH}.attention.layer_norm_rms_epsilon"
-ROPE_FREQ_BASE = f"{ARCH}.rope.freq_base"
-ROPE_SCALING_TYPE = f"{ARCH}.rope.scaling.type"
-ROPE_SCALING_FACTOR = f"{ARCH}.rope.scaling.factor"
-ROPE_DIMENSION_COUNT = f"{ARCH}.rope.dimension_count"
-ROPE_DIMENSION_SECTIONS = f"{ARCH}.rope.dimension_sections"
-BLOCK_SIZE = f"{ARCH}.block_size"
-TARGET_LAYERS = f"{ARCH}.target_layers"
-CAUSAL = f"{ARCH}.attention.causal"
-SLIDING_WINDOW = f"{ARCH}.attention.sliding_window"
-SLIDING_WINDOW_PATTERN = f"{ARCH}.attention.sliding_window_pattern"
-VALUE_SCALE = f"{ARCH}.attention.value_scale"
-LOGIT_SCALE = f"{ARCH}.logit_scale"
-FINAL_LOGIT_SOFTCAPPING = f"{ARCH}.final_logit_softcapping"
-EMBEDDING_SCALE = f"{ARCH}.embedding_scale"
-HIDDEN_ACTIVATION = f"{ARCH}.hidden_activation"
-ATTENTION_SCALE = f"{ARCH}.attention.scale"
-# DFlash 2 (convolutions + candidate selector) and DSpark (Markov / confidence heads, DeepSeek-V4
-# backbone): read by the pinned llama.cpp, refused here (see REFUSALS)
-CONV_KERNEL_SIZE = f"{ARCH}.conv_kernel_size"
-CONV_GROUP_SIZE = f"{ARCH}.conv_group_size"
-SELECTOR_RANK = f"{ARCH}.selector_rank"
-SELECTOR_TOP_K = f"{ARCH}.selector_top_k"
-SAMPLE_FROM_ANCHOR = f"{ARCH}.sample_from_anchor"
-HAS_CONFIDENCE_HEAD = f"{ARCH}.has_confidence_head"
-HYPER_CONNECTION_COUNT = f"{ARCH}.hyper_connection.count"
-
-TOKENIZER_PREFIX = "tokenizer."  # every key under it is copied from the target
-MASK_TOKEN_ID = "tokenizer.ggml.mask_token_id"
-
 U32, F32, BOOL, STR, ARR = (GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL,
                             GGUFValueType.STRING, GGUFValueType.ARRAY)
+
+# --- keys ---------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -85,62 +41,77 @@ class KeySpec:
     element: GGUFValueType | None = None
 
 
-KEYS: tuple[KeySpec, ...] = (
-    KeySpec(GENERAL_ARCHITECTURE, STR, True, '"dflash"', "selects llama_model_dflash"),
-    KeySpec(GENERAL_TYPE, STR, False, '"model"', "informational"),
-    KeySpec(GENERAL_NAME, STR, False, "draft directory name", "informational"),
-    KeySpec(GENERAL_FILE_TYPE, U32, False, "--outtype (llama_ftype)", "informational, printed"),
-    KeySpec(GENERAL_QUANTIZATION_VERSION, U32, False, "2", "checked by the quantizer"),
-    KeySpec(BLOCK_COUNT, U32, True, "num_hidden_layers", "number of draft layers"),
-    KeySpec(CONTEXT_LENGTH, U32, True, "max_position_embeddings (Qwen3 default 32768)",
-            "n_ctx_train; the draft context defaults to it"),
-    KeySpec(EMBEDDING_LENGTH, U32, True, "hidden_size", "n_embd; must equal the target's"),
-    KeySpec(FEED_FORWARD_LENGTH, U32, True, "intermediate_size", "n_ff, shapes of ffn_*"),
-    KeySpec(HEAD_COUNT, U32, True, "num_attention_heads", "n_head"),
-    KeySpec(HEAD_COUNT_KV, U32, False, "num_key_value_heads", "n_head_kv (default n_head)"),
-    KeySpec(KEY_LENGTH, U32, False, "head_dim", "head size of q/k (default n_embd / n_head)"),
-    KeySpec(VALUE_LENGTH, U32, False, "head_dim", "head size of v (default n_embd / n_head)"),
-    KeySpec(RMS_EPS, F32, True, "rms_norm_eps", "epsilon of every RMSNorm"),
-    KeySpec(ROPE_FREQ_BASE, F32, False, "rope_theta or rope_parameters.rope_theta",
-            "RoPE base (default 10000); NeoX rotation"),
-    KeySpec(ROPE_SCALING_TYPE, STR, False, 'rope_parameters.rope_type == "linear"',
-            "RoPE scaling type (default linear with factor 1)"),
-    KeySpec(ROPE_SCALING_FACTOR, F32, False, "rope_parameters.factor", "RoPE frequency scale 1/factor"),
-    KeySpec(ROPE_DIMENSION_COUNT, U32, False, "head_dim * partial_rotary_factor",
-            "n_rot (default head_dim)"),
-    KeySpec(ROPE_DIMENSION_SECTIONS, ARR, False, "[head_dim/2, 0, 0, 0] for M-RoPE targets",
-            "switches the draft to M-RoPE on the temporal dimension", GGUFValueType.INT32),
-    KeySpec(BLOCK_SIZE, U32, False, "dflash_config.block_size, block_size (default 16)",
-            "draft-dflash block size; n_max is clamped to block_size - 1; 16 when absent"),
-    KeySpec(TARGET_LAYERS, ARR, True, "dflash_config.target_layer_ids + 1 (default rule when absent)",
-            "target layers whose INPUT is captured; fc input = len * n_embd", GGUFValueType.INT32),
-    KeySpec(CAUSAL, BOOL, False, "is_causal, dflash_config.causal",
-            "draft-dflash sets causal attention from it (default: non-causal)"),
-    KeySpec(SLIDING_WINDOW, U32, False, "dflash_config.swa_window_size, sliding_window",
-            "window of sliding-attention layers (written only with use_sliding_window / use_swa)"),
-    KeySpec(SLIDING_WINDOW_PATTERN, ARR, False, 'layer_types[i] == "sliding_attention"',
-            "per-layer SWA flags; required when sliding_window is set", GGUFValueType.BOOL),
-    KeySpec(VALUE_SCALE, F32, False, "dflash_config.attention_value_scale", "scales V"),
-    KeySpec(LOGIT_SCALE, F32, False, "output_multiplier", "draft logits *= value"),
-    KeySpec(FINAL_LOGIT_SOFTCAPPING, F32, False, "final_logit_softcapping (written when > 0)",
-            "logits = c * tanh(logits / c)"),
-    KeySpec(EMBEDDING_SCALE, F32, False, "input_embedding_scale", "block embeddings *= value"),
-    KeySpec(MASK_TOKEN_ID, U32, True, "dflash_config.mask_token_id",
-            "the MASK token filling block positions 1..B-1"),
-    KeySpec(HIDDEN_ACTIVATION, STR, False, "(never written: DFlash 1 drafts are silu)",
-            "FFN activation: silu (default) or gelu"),
-    KeySpec(ATTENTION_SCALE, F32, False, "(never written)", "attention scale instead of 1/sqrt(head_dim)"),
-    KeySpec(CONV_KERNEL_SIZE, U32, False, "dflash_config.conv_kernel_size (DFlash 2)", "DFlash 2 convolutions"),
-    KeySpec(CONV_GROUP_SIZE, U32, False, "dflash_config.conv_group_size (DFlash 2)", "DFlash 2 convolutions"),
-    KeySpec(SELECTOR_RANK, U32, False, "dflash_config.selector_rank (DFlash 2)", "DFlash 2 candidate selector"),
-    KeySpec(SELECTOR_TOP_K, U32, False, "dflash_config.selector_top_k (DFlash 2)",
-            "DFlash 2 candidate selector; draft-dflash switches to DFlash 2 when > 0"),
-    KeySpec(SAMPLE_FROM_ANCHOR, BOOL, False, "sample_from_anchor (DSpark)",
-            "draft-dflash samples block position 0 too when true"),
-    KeySpec(HAS_CONFIDENCE_HEAD, BOOL, False, "(DSpark)", "draft-dflash needs it for --spec-draft-p-min"),
-    KeySpec(HYPER_CONNECTION_COUNT, U32, False, "(DSpark on a DeepSeek-V4 backbone)",
-            "switches the draft to DeepSeek-V4 blocks with hyper-connections"),
-)
+_keys: list[KeySpec] = []
+
+
+def _key(key: str, type: GGUFValueType, required: bool, hf: str, llama_cpp: str, element=None) -> str:
+    _keys.append(KeySpec(key, type, required, hf, llama_cpp, element))
+    return key
+
+
+_A = f"{ARCH}."  # every model key is under the architecture's name
+GENERAL_ARCHITECTURE = _key("general.architecture", STR, True, '"dflash"', "selects llama_model_dflash")
+GENERAL_TYPE = _key("general.type", STR, False, '"model"', "informational")
+GENERAL_NAME = _key("general.name", STR, False, "draft directory name", "informational")
+GENERAL_FILE_TYPE = _key("general.file_type", U32, False, "--outtype (llama_ftype)", "informational, printed")
+GENERAL_QUANTIZATION_VERSION = _key("general.quantization_version", U32, False, "2", "checked by the quantizer")
+BLOCK_COUNT = _key(_A + "block_count", U32, True, "num_hidden_layers", "number of draft layers")
+CONTEXT_LENGTH = _key(_A + "context_length", U32, True, "max_position_embeddings (Qwen3 default 32768)",
+                      "n_ctx_train; the draft context defaults to it")
+EMBEDDING_LENGTH = _key(_A + "embedding_length", U32, True, "hidden_size", "n_embd; must equal the target's")
+FEED_FORWARD_LENGTH = _key(_A + "feed_forward_length", U32, True, "intermediate_size", "n_ff, shapes of ffn_*")
+HEAD_COUNT = _key(_A + "attention.head_count", U32, True, "num_attention_heads", "n_head")
+HEAD_COUNT_KV = _key(_A + "attention.head_count_kv", U32, False, "num_key_value_heads", "n_head_kv (default n_head)")
+KEY_LENGTH = _key(_A + "attention.key_length", U32, False, "head_dim", "head size of q/k (default n_embd / n_head)")
+VALUE_LENGTH = _key(_A + "attention.value_length", U32, False, "head_dim", "head size of v (default n_embd / n_head)")
+RMS_EPS = _key(_A + "attention.layer_norm_rms_epsilon", F32, True, "rms_norm_eps", "epsilon of every RMSNorm")
+ROPE_FREQ_BASE = _key(_A + "rope.freq_base", F32, False, "rope_theta or rope_parameters.rope_theta",
+                      "RoPE base (default 10000); NeoX rotation")
+ROPE_SCALING_TYPE = _key(_A + "rope.scaling.type", STR, False, 'rope_parameters.rope_type == "linear"',
+                         "RoPE scaling type (default linear with factor 1)")
+ROPE_SCALING_FACTOR = _key(_A + "rope.scaling.factor", F32, False, "rope_parameters.factor",
+                           "RoPE frequency scale 1/factor")
+ROPE_DIMENSION_COUNT = _key(_A + "rope.dimension_count", U32, False, "head_dim * partial_rotary_factor",
+                            "n_rot (default head_dim)")
+ROPE_DIMENSION_SECTIONS = _key(_A + "rope.dimension_sections", ARR, False, "[head_dim/2, 0, 0, 0] for M-RoPE targets",
+                               "switches the draft to M-RoPE on the temporal dimension", GGUFValueType.INT32)
+BLOCK_SIZE = _key(_A + "block_size", U32, False, "dflash_config.block_size, block_size (default 16)",
+                  "draft-dflash block size; n_max is clamped to block_size - 1; 16 when absent")
+TARGET_LAYERS = _key(_A + "target_layers", ARR, True, "dflash_config.target_layer_ids + 1 (default rule when absent)",
+                     "target layers whose INPUT is captured; fc input = len * n_embd", GGUFValueType.INT32)
+CAUSAL = _key(_A + "attention.causal", BOOL, False, "is_causal, dflash_config.causal",
+              "draft-dflash sets causal attention from it (default: non-causal)")
+SLIDING_WINDOW = _key(_A + "attention.sliding_window", U32, False, "dflash_config.swa_window_size, sliding_window",
+                      "window of sliding-attention layers (written only with use_sliding_window / use_swa)")
+SLIDING_WINDOW_PATTERN = _key(_A + "attention.sliding_window_pattern", ARR, False,
+                              'layer_types[i] == "sliding_attention"',
+                              "per-layer SWA flags; required when sliding_window is set", GGUFValueType.BOOL)
+VALUE_SCALE = _key(_A + "attention.value_scale", F32, False, "dflash_config.attention_value_scale", "scales V")
+LOGIT_SCALE = _key(_A + "logit_scale", F32, False, "output_multiplier", "draft logits *= value")
+FINAL_LOGIT_SOFTCAPPING = _key(_A + "final_logit_softcapping", F32, False, "final_logit_softcapping (written when > 0)",
+                               "logits = c * tanh(logits / c)")
+EMBEDDING_SCALE = _key(_A + "embedding_scale", F32, False, "input_embedding_scale", "block embeddings *= value")
+TOKENIZER_PREFIX = "tokenizer."  # every key under it is copied from the target
+MASK_TOKEN_ID = _key("tokenizer.ggml.mask_token_id", U32, True, "dflash_config.mask_token_id",
+                     "the MASK token filling block positions 1..B-1")
+HIDDEN_ACTIVATION = _key(_A + "hidden_activation", STR, False, "(never written: DFlash 1 drafts are silu)",
+                         "FFN activation: silu (default) or gelu")
+ATTENTION_SCALE = _key(_A + "attention.scale", F32, False, "(never written)",
+                       "attention scale instead of 1/sqrt(head_dim)")
+# DFlash 2 (convolutions + candidate selector) and DSpark (Markov / confidence heads, DeepSeek-V4
+# backbone): read by the pinned llama.cpp, refused here (see REFUSALS)
+CONV_KERNEL_SIZE = _key(_A + "conv_kernel_size", U32, False, "dflash_config.conv_kernel_size", "DFlash 2 convolutions")
+CONV_GROUP_SIZE = _key(_A + "conv_group_size", U32, False, "dflash_config.conv_group_size", "DFlash 2 convolutions")
+SELECTOR_RANK = _key(_A + "selector_rank", U32, False, "dflash_config.selector_rank", "DFlash 2 candidate selector")
+SELECTOR_TOP_K = _key(_A + "selector_top_k", U32, False, "dflash_config.selector_top_k",
+                      "DFlash 2 candidate selector; draft-dflash switches to DFlash 2 when > 0")
+SAMPLE_FROM_ANCHOR = _key(_A + "sample_from_anchor", BOOL, False, "sample_from_anchor (DSpark)",
+                          "draft-dflash samples block position 0 too when true")
+HAS_CONFIDENCE_HEAD = _key(_A + "has_confidence_head", BOOL, False, "(DSpark)",
+                           "draft-dflash needs it for --spec-draft-p-min")
+HYPER_CONNECTION_COUNT = _key(_A + "hyper_connection.count", U32, False, "(DSpark on a DeepSeek-V4 backbone)",
+                              "switches the draft to DeepSeek-V4 blocks with hyper-connections")
+KEYS: tuple[KeySpec, ...] = tuple(_keys)
 KEY: dict[str, KeySpec] = {k.key: k for k in KEYS}
 
 
@@ -155,39 +126,31 @@ class TensorSpec:
     role: str
 
 
+def _layer(gguf: str, hf: str, shape: tuple[str, ...], role: str) -> TensorSpec:
+    return TensorSpec(f"blk.{{bid}}.{gguf}.weight", f"layers.{{bid}}.{hf}.weight", shape, True, role)
+
+
 TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("fc.weight", "fc.weight", ("n_taps*n_embd", "n_embd"), True,
                "projects the concatenated target features to n_embd"),
-    TensorSpec("enc.output_norm.weight", "hidden_norm.weight", ("n_embd",), True,
-               "RMSNorm after fc (hidden_norm)"),
+    TensorSpec("enc.output_norm.weight", "hidden_norm.weight", ("n_embd",), True, "RMSNorm after fc (hidden_norm)"),
     TensorSpec("output_norm.weight", "norm.weight", ("n_embd",), True, "final RMSNorm"),
-    TensorSpec("blk.{bid}.attn_norm.weight", "layers.{bid}.input_layernorm.weight", ("n_embd",), True,
-               "RMSNorm before attention"),
-    TensorSpec("blk.{bid}.attn_q.weight", "layers.{bid}.self_attn.q_proj.weight",
-               ("n_embd", "n_head*head_dim"), True, "query projection (block tokens only)"),
-    TensorSpec("blk.{bid}.attn_k.weight", "layers.{bid}.self_attn.k_proj.weight",
-               ("n_embd", "n_head_kv*head_dim"), True, "key projection (context and block)"),
-    TensorSpec("blk.{bid}.attn_v.weight", "layers.{bid}.self_attn.v_proj.weight",
-               ("n_embd", "n_head_kv*head_dim"), True, "value projection (context and block)"),
-    TensorSpec("blk.{bid}.attn_output.weight", "layers.{bid}.self_attn.o_proj.weight",
-               ("n_head*head_dim", "n_embd"), True, "attention output projection"),
-    TensorSpec("blk.{bid}.attn_q_norm.weight", "layers.{bid}.self_attn.q_norm.weight", ("head_dim",),
-               True, "per-head RMSNorm of q"),
-    TensorSpec("blk.{bid}.attn_k_norm.weight", "layers.{bid}.self_attn.k_norm.weight", ("head_dim",),
-               True, "per-head RMSNorm of k"),
-    TensorSpec("blk.{bid}.ffn_norm.weight", "layers.{bid}.post_attention_layernorm.weight", ("n_embd",),
-               True, "RMSNorm before the MLP (post_attention_layernorm)"),
-    TensorSpec("blk.{bid}.ffn_gate.weight", "layers.{bid}.mlp.gate_proj.weight", ("n_embd", "n_ff"), True,
-               "SwiGLU gate"),
-    TensorSpec("blk.{bid}.ffn_up.weight", "layers.{bid}.mlp.up_proj.weight", ("n_embd", "n_ff"), True,
-               "SwiGLU up"),
-    TensorSpec("blk.{bid}.ffn_down.weight", "layers.{bid}.mlp.down_proj.weight", ("n_ff", "n_embd"), True,
-               "SwiGLU down"),
-    # A draft normally borrows the target's embeddings and head (llama.cpp: through ctx_other).
+    _layer("attn_norm", "input_layernorm", ("n_embd",), "RMSNorm before attention"),
+    _layer("attn_q", "self_attn.q_proj", ("n_embd", "n_head*head_dim"), "query projection (block tokens only)"),
+    _layer("attn_k", "self_attn.k_proj", ("n_embd", "n_head_kv*head_dim"), "key projection (context and block)"),
+    _layer("attn_v", "self_attn.v_proj", ("n_embd", "n_head_kv*head_dim"), "value projection (context and block)"),
+    _layer("attn_output", "self_attn.o_proj", ("n_head*head_dim", "n_embd"), "attention output projection"),
+    _layer("attn_q_norm", "self_attn.q_norm", ("head_dim",), "per-head RMSNorm of q"),
+    _layer("attn_k_norm", "self_attn.k_norm", ("head_dim",), "per-head RMSNorm of k"),
+    _layer("ffn_norm", "post_attention_layernorm", ("n_embd",), "RMSNorm before the MLP (post_attention_layernorm)"),
+    _layer("ffn_gate", "mlp.gate_proj", ("n_embd", "n_ff"), "SwiGLU gate"),
+    _layer("ffn_up", "mlp.up_proj", ("n_embd", "n_ff"), "SwiGLU up"),
+    _layer("ffn_down", "mlp.down_proj", ("n_ff", "n_embd"), "SwiGLU down"),
+    # A draft normally borrows the target's embeddings and head (llama.cpp: through ctx_other). The
+    # converter writes a checkpoint's own, as the pinned one does; the runtime refuses them (REFUSALS).
     TensorSpec("token_embd.weight", "embed_tokens.weight", ("n_embd", "n_vocab"), False,
                "own token embeddings (optional)"),
-    TensorSpec("output.weight", "lm_head.weight", ("n_embd", "n_vocab"), False,
-               "own output head (optional)"),
+    TensorSpec("output.weight", "lm_head.weight", ("n_embd", "n_vocab"), False, "own output head (optional)"),
 )
 
 # Rows of q_proj / k_proj / q_norm / k_norm that the pinned converter reorders for drafts trained
@@ -196,23 +159,20 @@ ROPE_PERMUTED = ("blk.{bid}.attn_q.weight", "blk.{bid}.attn_k.weight",
                  "blk.{bid}.attn_q_norm.weight", "blk.{bid}.attn_k_norm.weight")
 
 
-
 # --- what this project cannot run -------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Refusal:
-    """A key or tensor the pinned llama.cpp reads and neither our runtime nor the reference runs.
-
-    A key is refused when present, unless its value is in `allowed` or equals the key `same_as`.
-    """
+    """A key or tensor the pinned llama.cpp reads and neither our runtime nor the reference runs."""
 
     name: str  # GGUF key, or tensor name ("{bid}": any draft layer)
     why: str
-    allowed: tuple = ()
-    same_as: str | None = None
+    allowed: tuple = ()  # a key is refused when present, unless its value is one of these
+    same_as: str | None = None  # ... or equals this key (with llama.cpp's default)
     tensor: bool = False
 
 
+_DFLASH2 = "DFlash 2 drafts (convolutions + candidate selector) are not supported"
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(HIDDEN_ACTIVATION, "only silu FFNs are supported", allowed=("silu",)),
     Refusal(ATTENTION_SCALE, "a custom attention scale is not supported"),
@@ -222,22 +182,23 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(VALUE_LENGTH, "value_length different from key_length is not supported", same_as=KEY_LENGTH),
     Refusal(ROPE_DIMENSION_COUNT, "partial RoPE (dimension_count != key_length) is not supported",
             same_as=KEY_LENGTH),
-    *(Refusal(k, "DFlash 2 drafts (convolutions + candidate selector) are not supported")
-      for k in (CONV_KERNEL_SIZE, CONV_GROUP_SIZE, SELECTOR_RANK, SELECTOR_TOP_K)),
+    *(Refusal(k, _DFLASH2) for k in (CONV_KERNEL_SIZE, CONV_GROUP_SIZE, SELECTOR_RANK, SELECTOR_TOP_K)),
     Refusal(SAMPLE_FROM_ANCHOR, "DSpark drafts (sampling from the anchor) are not supported", allowed=(False,)),
     Refusal(HAS_CONFIDENCE_HEAD, "DSpark drafts (confidence head) are not supported"),
     Refusal(HYPER_CONNECTION_COUNT, "DSpark drafts on a DeepSeek-V4 backbone are not supported"),
+    # llama.cpp uses a draft's own embeddings and head; our graph uses the target's: refused, never ignored
+    *(Refusal(t, "the runtime uses the target's embeddings and head; a draft with its own is not supported "
+                 "by this runtime", tensor=True) for t in ("token_embd.weight", "output.weight")),
     Refusal("d2t", "reduced-vocabulary drafts (d2t) are not supported", tensor=True),
     *(Refusal(t, "DSpark drafts (Markov / confidence heads) are not supported", tensor=True)
       for t in ("markov_w1.weight", "markov_w2.weight", "markov_w2.scale", "conf_proj.weight", "conf_proj.bias")),
-    *(Refusal(t, "DFlash 2 drafts (convolutions + candidate selector) are not supported", tensor=True)
+    *(Refusal(t, _DFLASH2, tensor=True)
       for t in ("selector_hidden.weight", "selector_predecessor.weight", "selector_successor.weight",
                 "blk.{bid}.attn_conv_base", "blk.{bid}.attn_conv_proj.weight", "blk.{bid}.ffn_conv_base",
                 "blk.{bid}.ffn_conv_proj.weight")),
     Refusal("fc.scale", "a scaled fc is not supported", tensor=True),
     Refusal("rope_freqs.weight", "RoPE frequency factors are not supported", tensor=True),
-    *(Refusal(t, "extra per-layer tensors (Gemma-style norms, output scales, sinks) are not supported",
-              tensor=True)
+    *(Refusal(t, "extra per-layer tensors (Gemma-style norms, output scales, sinks) are not supported", tensor=True)
       for t in ("blk.{bid}.post_attention_norm.weight", "blk.{bid}.post_ffw_norm.weight",
                 "blk.{bid}.layer_output_scale.weight", "blk.{bid}.attn_sinks.weight")),
 )
@@ -257,12 +218,13 @@ def refusals(kv: dict[str, Any], tensor_names=()) -> list[str]:
         if value in r.allowed or (r.same_as is not None and value == _head_dim(kv)):
             continue
         out.append(f"'{r.name}' = {value!r}: {r.why}")
-    refused = [(_pattern(r.name), r) for r in REFUSALS if r.tensor]
+    refused = [(_pattern(r.name), r.why) for r in REFUSALS if r.tensor]
     for name in tensor_names:
-        if hf_tensor_name(name) is not None:
-            continue
-        why = next((r.why for p, r in refused if p.match(name)), "not a tensor of a DFlash 1 draft")
-        out.append(f"tensor '{name}': {why}")
+        why = next((why for p, why in refused if p.match(name)), None)
+        if why is None and hf_tensor_name(name) is None:
+            why = "not a tensor of a DFlash 1 draft"
+        if why is not None:
+            out.append(f"tensor '{name}': {why}")
     return out
 
 
@@ -289,23 +251,24 @@ def _pattern(template: str) -> re.Pattern:
 
 _BY_HF = [(_pattern(t.hf), t) for t in TENSORS]
 _BY_GGUF = [(_pattern(t.gguf), t) for t in TENSORS]
+_ROPE_PERMUTED = [_pattern(t) for t in ROPE_PERMUTED]
+
+
+def _rename(name: str, table: list, to: str) -> tuple[str, TensorSpec] | None:
+    for pattern, spec in table:
+        if m := pattern.match(name):
+            return getattr(spec, to).format(bid=m.group(1) if m.groups() else None), spec
+    return None
 
 
 def gguf_tensor_name(hf_name: str) -> tuple[str, TensorSpec] | None:
     """The GGUF name (and its spec) of an HF checkpoint tensor; None for a name not in the table."""
-    name = hf_name.removeprefix("model.")
-    for pattern, spec in _BY_HF:
-        if m := pattern.match(name):
-            return spec.gguf.format(bid=m.group(1)) if m.groups() else spec.gguf, spec
-    return None
+    return _rename(hf_name.removeprefix("model."), _BY_HF, "gguf")
 
 
 def hf_tensor_name(gguf_name: str) -> tuple[str, TensorSpec] | None:
     """The HF checkpoint name (and spec) of a GGUF tensor; None for a name not in the table."""
-    for pattern, spec in _BY_GGUF:
-        if m := pattern.match(gguf_name):
-            return spec.hf.format(bid=m.group(1)) if m.groups() else spec.hf, spec
-    return None
+    return _rename(gguf_name, _BY_GGUF, "hf")
 
 
 def layer_index(name: str) -> int | None:
@@ -316,13 +279,7 @@ def layer_index(name: str) -> int | None:
 
 def expected_shape(spec: TensorSpec, dims: dict[str, int]) -> tuple[int, ...]:
     """Shape in ggml order from `dims` with n_embd, n_taps, n_head, n_head_kv, head_dim, n_ff, n_vocab."""
-    def size(sym: str) -> int:
-        out = 1
-        for factor in sym.split("*"):
-            out *= dims[factor]
-        return out
-
-    return tuple(size(s) for s in spec.shape)
+    return tuple(math.prod(dims[f] for f in sym.split("*")) for sym in spec.shape)
 
 
 def stays_f32(gguf_name: str, n_dims: int) -> bool:
@@ -332,8 +289,7 @@ def stays_f32(gguf_name: str, n_dims: int) -> bool:
 
 def is_rope_permuted(gguf_name: str) -> bool:
     """A q/k row tensor that interleaved-RoPE checkpoints need reordered (see rope_halves_order)."""
-    bid = layer_index(gguf_name)
-    return bid is not None and gguf_name in {t.format(bid=bid) for t in ROPE_PERMUTED}
+    return any(p.match(gguf_name) for p in _ROPE_PERMUTED)
 
 
 def rope_halves_order(n_rows: int, head_dim: int) -> np.ndarray:
@@ -440,45 +396,8 @@ class DraftHParams:
         order). Sliding attention is read as the pinned converter reads it: Qwen3Config nulls
         `sliding_window` unless `use_sliding_window` (or `dflash_config.use_swa`: every layer).
         """
-        r = _HFReader(config, source)
-        n_layer = r.required("num_hidden_layers")
-        n_head = r.required("num_attention_heads")
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ValueError(f"{source}: rope_parameters must be an object, got {rope!r}")
-        rope = rope.get("full_attention", rope)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear"):
-            raise ValueError(f"{source}: RoPE type {rope_type!r} is not supported (only default and linear)")
-        head_dim = r.integer("head_dim", config.get("head_dim", 128))  # Qwen3Config's default
-        partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-        window, swa_layers = r.sliding(n_layer)
-        causal = config.get("is_causal")
-        softcap = r.optional_number("final_logit_softcapping")
         try:
-            return cls(
-                n_embd=r.required("hidden_size"), n_layer=n_layer, n_head=n_head,
-                n_head_kv=r.integer("num_key_value_heads", config.get("num_key_value_heads") or n_head),
-                head_dim=head_dim, n_ff=r.required("intermediate_size"),
-                mask_token_id=r.mask_token_id(), target_layer_ids=r.target_layer_ids(),
-                n_vocab=r.optional_integer("vocab_size", config.get("vocab_size")),
-                n_layer_target=r.optional_integer("num_target_layers", r.value("num_target_layers")),
-                block_size=r.integer("block_size", r.value("block_size", 16)),
-                n_ctx_train=r.integer("max_position_embeddings", config.get("max_position_embeddings", 32768)),
-                rms_eps=r.number("rms_norm_eps", config.get("rms_norm_eps", 1e-6)),
-                rope_freq_base=r.number("rope_theta", rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-                rope_linear_factor=(r.number("rope factor", rope["factor"])
-                                    if rope_type == "linear" and "factor" in rope else None),
-                n_rot=None if partial is None else int(head_dim * r.number("partial_rotary_factor", partial)),
-                rope_neox=bool(config.get("rope_is_neox_style", True)),
-                causal=bool(causal) if causal is not None else r.optional_bool("causal"),
-                sliding_window=window, swa_layers=swa_layers,
-                embedding_scale=r.optional_number("input_embedding_scale"),
-                logit_scale=r.optional_number("output_multiplier"),
-                logit_softcap=softcap if softcap is not None and softcap > 0 else None,
-                value_scale=r.optional_number("attention_value_scale", dflash_only=True),
-                causal_at_top=causal is False,
-            )
+            return cls(**_hf_fields(config))
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from e
 
@@ -487,12 +406,10 @@ class DraftHParams:
         dflash: dict[str, Any] = {"mask_token_id": self.mask_token_id}
         if self.target_layer_ids is not None:
             dflash["target_layer_ids"] = list(self.target_layer_ids)
-        for name, value in (("input_embedding_scale", self.embedding_scale),
-                            ("output_multiplier", self.logit_scale),
-                            ("final_logit_softcapping", self.logit_softcap),
-                            ("attention_value_scale", self.value_scale)):
-            if value is not None:
-                dflash[name] = value
+        dflash.update({k: v for k, v in (("input_embedding_scale", self.embedding_scale),
+                                         ("output_multiplier", self.logit_scale),
+                                         ("final_logit_softcapping", self.logit_softcap),
+                                         ("attention_value_scale", self.value_scale)) if v is not None})
         config: dict[str, Any] = {
             "architectures": [DFLASH_ARCHITECTURE], "model_type": "qwen3",
             "hidden_size": self.n_embd, "intermediate_size": self.n_ff, "num_hidden_layers": self.n_layer,
@@ -527,33 +444,30 @@ class DraftHParams:
         refuses; the defaults are llama.cpp's."""
         def need(key):
             if key not in kv:
-                raise ValueError(f"{source}: missing GGUF key {key!r}")
+                raise ValueError(f"missing GGUF key {key!r}")
             return kv[key]
 
         refuse(kv, (), source)
-        n_embd, n_layer, n_head = int(need(EMBEDDING_LENGTH)), int(need(BLOCK_COUNT)), int(need(HEAD_COUNT))
-        n_ff, rms_eps = int(need(FEED_FORWARD_LENGTH)), float(need(RMS_EPS))
-        layers = [int(x) for x in need(TARGET_LAYERS)]
-        if any(x < 1 for x in layers):
-            raise ValueError(f"{source}: {TARGET_LAYERS} {layers} must all be >= 1 "
-                             "(they hold target layer ids + 1)")
-        mask = need(MASK_TOKEN_ID)
-        window = kv.get(SLIDING_WINDOW) or None
-        pattern = kv.get(SLIDING_WINDOW_PATTERN)
-        if window and (pattern is None or len(pattern) != n_layer):
-            raise ValueError(f"{source}: {SLIDING_WINDOW} needs a {SLIDING_WINDOW_PATTERN} with {n_layer} entries")
-        tokens = kv.get("tokenizer.ggml.tokens")
-        optional = {name: float(kv[key]) for name, key in (
-            ("embedding_scale", EMBEDDING_SCALE), ("logit_scale", LOGIT_SCALE),
-            ("logit_softcap", FINAL_LOGIT_SOFTCAPPING), ("value_scale", VALUE_SCALE)) if key in kv}
-        if not optional.get("logit_softcap", 1.0) > 0:
-            del optional["logit_softcap"]
         try:
+            n_embd, n_layer, n_head = int(need(EMBEDDING_LENGTH)), int(need(BLOCK_COUNT)), int(need(HEAD_COUNT))
+            n_ff, rms_eps = int(need(FEED_FORWARD_LENGTH)), float(need(RMS_EPS))
+            layers = [int(x) for x in need(TARGET_LAYERS)]
+            if any(x < 1 for x in layers):
+                raise ValueError(f"{TARGET_LAYERS} {layers} must all be >= 1 (they hold target layer ids + 1)")
+            mask = need(MASK_TOKEN_ID)
+            window, pattern = kv.get(SLIDING_WINDOW) or None, kv.get(SLIDING_WINDOW_PATTERN)
+            if window and (pattern is None or len(pattern) != n_layer):
+                raise ValueError(f"{SLIDING_WINDOW} needs a {SLIDING_WINDOW_PATTERN} with {n_layer} entries")
+            tokens = kv.get("tokenizer.ggml.tokens")
+            optional = {name: float(kv[key]) for name, key in (
+                ("embedding_scale", EMBEDDING_SCALE), ("logit_scale", LOGIT_SCALE),
+                ("logit_softcap", FINAL_LOGIT_SOFTCAPPING), ("value_scale", VALUE_SCALE)) if key in kv}
+            if not optional.get("logit_softcap", 1.0) > 0:
+                del optional["logit_softcap"]
             return cls(
                 n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=int(kv.get(HEAD_COUNT_KV, n_head)),
                 head_dim=int(kv.get(KEY_LENGTH, n_embd // n_head)), n_ff=n_ff, mask_token_id=int(mask),
-                target_layer_ids=target_layer_ids_from_gguf(layers),
-                n_vocab=None if tokens is None else len(tokens),
+                target_layer_ids=target_layer_ids_from_gguf(layers), n_vocab=None if tokens is None else len(tokens),
                 block_size=int(kv.get(BLOCK_SIZE, 16)),
                 n_ctx_train=int(kv[CONTEXT_LENGTH]) if CONTEXT_LENGTH in kv else None,
                 rms_eps=rms_eps, rope_freq_base=float(kv.get(ROPE_FREQ_BASE, 10000.0)),
@@ -562,9 +476,7 @@ class DraftHParams:
                 n_rot=int(kv[ROPE_DIMENSION_COUNT]) if ROPE_DIMENSION_COUNT in kv else None,
                 causal=bool(kv[CAUSAL]) if CAUSAL in kv else None,
                 sliding_window=int(window) if window else None,
-                swa_layers=[bool(p) for p in pattern] if window else [],
-                **optional,
-            )
+                swa_layers=[bool(p) for p in pattern] if window else [], **optional)
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from e
 
@@ -592,10 +504,8 @@ class DraftHParams:
         if self.value_scale is not None:
             kv.append((VALUE_SCALE, self.value_scale))
         kv.append((BLOCK_SIZE, self.block_size))
-        for key, value in ((LOGIT_SCALE, self.logit_scale), (FINAL_LOGIT_SOFTCAPPING, self.logit_softcap),
-                           (EMBEDDING_SCALE, self.embedding_scale)):
-            if value is not None:
-                kv.append((key, value))
+        kv += [(k, v) for k, v in ((LOGIT_SCALE, self.logit_scale), (FINAL_LOGIT_SOFTCAPPING, self.logit_softcap),
+                                   (EMBEDDING_SCALE, self.embedding_scale)) if v is not None]
         kv.append((TARGET_LAYERS, target_layers_from_ids(self.target_layer_ids)))
         if self.sliding_window is not None:
             kv += [(SLIDING_WINDOW, self.sliding_window), (SLIDING_WINDOW_PATTERN, list(self.swa_layers))]
@@ -608,82 +518,101 @@ class DraftHParams:
         return kv
 
 
-class _HFReader:
-    """Typed look-ups in one config.json, with errors naming the file."""
+# --- reading config.json (errors say what is wrong; from_hf_config names the file) ----------------
 
-    def __init__(self, config: dict, source: str):
-        self.config, self.source = config, source
-        archs = config.get("architectures") or []
-        dflash = config.get("dflash_config")
-        if any("DFlash2" in a for a in archs) or (isinstance(dflash, dict) and "conv_kernel_size" in dflash):
-            raise ValueError(f"{source}: DFlash 2 drafts are not supported yet (architectures {archs})")
-        if archs and DFLASH_ARCHITECTURE not in archs:
-            raise ValueError(f"{source}: unsupported architecture {archs}: expected [\"{DFLASH_ARCHITECTURE}\"]")
-        if not isinstance(dflash, dict):
-            raise ValueError(f"{source}: no 'dflash_config': this is not a DFlash draft checkpoint")
-        self.dflash = dflash
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{source}: hidden_act {act!r} is not supported (DFlash 1 drafts use silu)")
-        if config.get("attention_bias"):
-            raise ValueError(f"{source}: attention_bias = true is not supported")
+def _integer(name: str, v, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}")
+    return v
 
-    def value(self, name: str, default=None):
-        """dflash_config first, then the top level (the published reference's lookup order)."""
-        return self.dflash.get(name, self.config.get(name, default))
 
-    def integer(self, name: str, v, minimum: int = 1) -> int:
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise ValueError(f"{self.source}: {name} must be an integer >= {minimum}, got {v!r}")
-        return v
+def _number(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a number, got {v!r}")
+    return float(v)
 
-    def optional_integer(self, name: str, v) -> int | None:
-        return None if v is None else self.integer(name, v)
 
-    def number(self, name: str, v) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"{self.source}: {name} must be a number, got {v!r}")
-        return float(v)
+def _hf_fields(config: dict) -> dict[str, Any]:
+    """DraftHParams fields from a DFlash 1 config.json, with Qwen3Config's defaults."""
+    archs, dflash = config.get("architectures") or [], config.get("dflash_config")
+    if any("DFlash2" in a for a in archs) or (isinstance(dflash, dict) and "conv_kernel_size" in dflash):
+        raise ValueError(f"DFlash 2 drafts are not supported yet (architectures {archs})")
+    if archs and DFLASH_ARCHITECTURE not in archs:
+        raise ValueError(f"unsupported architecture {archs}: expected [\"{DFLASH_ARCHITECTURE}\"]")
+    if not isinstance(dflash, dict):
+        raise ValueError("no 'dflash_config': this is not a DFlash draft checkpoint")
+    if (act := config.get("hidden_act", "silu")) != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (DFlash 1 drafts use silu)")
+    if config.get("attention_bias"):
+        raise ValueError("attention_bias = true is not supported")
 
-    def optional_number(self, name: str, dflash_only: bool = False) -> float | None:
-        v = self.dflash.get(name) if dflash_only else self.value(name)
-        return None if v is None else self.number(name, v)
+    def value(name: str, default=None):  # dflash_config first, then the top level (the published order)
+        return dflash.get(name, config.get(name, default))
 
-    def optional_bool(self, name: str) -> bool | None:
-        v = self.dflash.get(name)
-        return None if v is None else bool(v)
+    def required(name: str) -> int:
+        if name not in config:
+            raise ValueError(f"missing {name}")
+        return _integer(name, config[name])
 
-    def required(self, name: str) -> int:
-        if name not in self.config:
-            raise ValueError(f"{self.source}: missing {name}")
-        return self.integer(name, self.config[name])
+    def optional_number(name: str, v) -> float | None:
+        return None if v is None else _number(name, v)
 
-    def mask_token_id(self) -> int:
-        mask = self.value("mask_token_id")
-        if mask is None:
-            raise ValueError(f"{self.source}: no mask_token_id (dflash_config.mask_token_id)")
-        return self.integer("mask_token_id", mask, minimum=0)
+    n_layer, n_head = required("num_hidden_layers"), required("num_attention_heads")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope_parameters must be an object, got {rope!r}")
+    rope = rope.get("full_attention", rope)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear"):
+        raise ValueError(f"RoPE type {rope_type!r} is not supported (only default and linear)")
+    head_dim = _integer("head_dim", config.get("head_dim", 128))  # Qwen3Config's default
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    window, swa_layers = _hf_sliding(config, dflash, n_layer)
+    top_causal = config.get("is_causal")  # wins over dflash_config.causal
+    causal = top_causal if top_causal is not None else dflash.get("causal")
+    softcap = optional_number("final_logit_softcapping", value("final_logit_softcapping"))
+    n_embd, n_head_kv = required("hidden_size"), _integer("num_key_value_heads",
+                                                           config.get("num_key_value_heads") or n_head)
+    n_ff, mask, ids = required("intermediate_size"), value("mask_token_id"), value("target_layer_ids")
+    if mask is None:
+        raise ValueError("no mask_token_id (dflash_config.mask_token_id)")
+    if ids is not None and (not isinstance(ids, list) or not ids or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise ValueError(f"target_layer_ids must be a non-empty list of integers, got {ids!r}")
+    n_vocab, n_layer_target = config.get("vocab_size"), value("num_target_layers")
+    return dict(
+        n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_ff=n_ff,
+        mask_token_id=_integer("mask_token_id", mask, minimum=0), target_layer_ids=ids,
+        n_vocab=None if n_vocab is None else _integer("vocab_size", n_vocab),
+        n_layer_target=None if n_layer_target is None else _integer("num_target_layers", n_layer_target),
+        block_size=_integer("block_size", value("block_size", 16)),
+        n_ctx_train=_integer("max_position_embeddings", config.get("max_position_embeddings", 32768)),
+        rms_eps=_number("rms_norm_eps", config.get("rms_norm_eps", 1e-6)),
+        rope_freq_base=_number("rope_theta", rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        rope_linear_factor=(_number("rope factor", rope["factor"])
+                            if rope_type == "linear" and "factor" in rope else None),
+        n_rot=None if partial is None else int(head_dim * _number("partial_rotary_factor", partial)),
+        rope_neox=bool(config.get("rope_is_neox_style", True)),
+        causal=None if causal is None else bool(causal),
+        sliding_window=window, swa_layers=swa_layers,
+        embedding_scale=optional_number("input_embedding_scale", value("input_embedding_scale")),
+        logit_scale=optional_number("output_multiplier", value("output_multiplier")),
+        logit_softcap=softcap if softcap is not None and softcap > 0 else None,
+        value_scale=optional_number("attention_value_scale", dflash.get("attention_value_scale")),
+        causal_at_top=top_causal is False)
 
-    def target_layer_ids(self) -> list[int] | None:
-        ids = self.value("target_layer_ids")
-        if ids is not None and (not isinstance(ids, list) or not ids or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in ids)):
-            raise ValueError(f"{self.source}: target_layer_ids must be a non-empty list of integers, got {ids!r}")
-        return ids
 
-    def sliding(self, n_layer: int) -> tuple[int | None, list[bool]]:
-        """(window or None, per-layer sliding flags), Qwen3Config's defaults for `layer_types`."""
-        config, dflash = self.config, self.dflash
-        use_swa = bool(config.get("use_sliding_window", False) or dflash.get("use_swa", False))
-        window = (dflash.get("swa_window_size") or config.get("sliding_window")) if use_swa else None
-        window = self.integer("sliding_window", window) if window else None
-        if dflash.get("use_swa", False) and window:
-            return window, [True] * n_layer
-        layer_types = config.get("layer_types") or [
-            SLIDING_ATTENTION if window is not None and i >= config.get("max_window_layers", 28) else FULL_ATTENTION
-            for i in range(n_layer)]
-        for t in layer_types:
-            if t not in (FULL_ATTENTION, SLIDING_ATTENTION):
-                raise ValueError(f"{self.source}: layer type {t!r} is not supported "
-                                 f"(only {FULL_ATTENTION!r} and {SLIDING_ATTENTION!r})")
-        return window, [t == SLIDING_ATTENTION for t in layer_types]
+def _hf_sliding(config: dict, dflash: dict, n_layer: int) -> tuple[int | None, list[bool]]:
+    """(window or None, per-layer sliding flags), Qwen3Config's defaults for `layer_types`."""
+    use_swa = bool(config.get("use_sliding_window", False) or dflash.get("use_swa", False))
+    window = (dflash.get("swa_window_size") or config.get("sliding_window")) if use_swa else None
+    window = _integer("sliding_window", window) if window else None
+    if dflash.get("use_swa", False) and window:
+        return window, [True] * n_layer
+    layer_types = config.get("layer_types") or [
+        SLIDING_ATTENTION if window is not None and i >= config.get("max_window_layers", 28) else FULL_ATTENTION
+        for i in range(n_layer)]
+    for t in layer_types:
+        if t not in (FULL_ATTENTION, SLIDING_ATTENTION):
+            raise ValueError(f"layer type {t!r} is not supported (only {FULL_ATTENTION!r} and {SLIDING_ATTENTION!r})")
+    return window, [t == SLIDING_ATTENTION for t in layer_types]
