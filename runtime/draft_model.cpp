@@ -213,15 +213,19 @@ draft_hparams read_hparams(const gguf_context * ctx, const std::string & path) {
 }
 
 // Every tensor must be one this runtime reads: a d2t, DFlash2, DSpark or extra per-layer tensor
-// changes what llama.cpp computes, and ignoring it would be a silent wrong answer.
+// changes what llama.cpp computes, and ignoring it would be a silent wrong answer. So would a
+// draft's own token_embd / output: llama.cpp uses them, the graph here uses the target's.
 void refuse_unknown_tensors(const gguf_context * ctx, int32_t n_layer, const std::string & path) {
     static const char * const layer_names[] = { "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
         "attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight", "ffn_norm.weight", "ffn_gate.weight",
         "ffn_up.weight", "ffn_down.weight" };
     for (int64_t i = 0; i < gguf_get_n_tensors(ctx); ++i) {
         const std::string name = gguf_get_tensor_name(ctx, i);
-        bool known = name == "fc.weight" || name == "enc.output_norm.weight" || name == "output_norm.weight" ||
-                     name == "token_embd.weight" || name == "output.weight";
+        if (name == "token_embd.weight" || name == "output.weight") {
+            fail(path, "tensor '" + name + "': the runtime uses the target's embeddings and head; "
+                       "a draft with its own is not supported by this runtime");
+        }
+        bool known = name == "fc.weight" || name == "enc.output_norm.weight" || name == "output_norm.weight";
         for (int32_t il = 0; il < n_layer && !known; ++il) {
             for (const char * suffix : layer_names) {
                 known = known || name == "blk." + std::to_string(il) + "." + suffix;

@@ -53,8 +53,8 @@ def test_every_refusal_is_planted():
     assert keys <= set(S.KEY)
 
 
-def _with_tensor(src: Path, dst: Path, name: str) -> Path:
-    """`src` with one more (zero, f32) tensor called `name`."""
+def _with_tensor(src: Path, dst: Path, name: str, data: np.ndarray | None = None) -> Path:
+    """`src` with one more f32 tensor called `name` (`data`, else four zeros)."""
     reader = GGUFReader(str(src))
     writer = GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
     for key, f in reader.fields.items():
@@ -67,7 +67,7 @@ def _with_tensor(src: Path, dst: Path, name: str) -> Path:
     for t in reader.tensors:
         data = np.asarray(t.data)
         writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType(t.tensor_type))
-    writer.add_tensor(name, np.zeros(4, dtype=np.float32))
+    writer.add_tensor(name, np.zeros(4, dtype=np.float32) if data is None else data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -102,6 +102,23 @@ def test_runtime_and_reference_refuse_the_same_key(key, tiny_draft_gguf, tiny_ta
 def test_runtime_and_reference_refuse_the_same_tensor(name, tiny_draft_gguf, tiny_target_gguf, tmp_path):
     planted = _with_tensor(tiny_draft_gguf, tmp_path / "planted.gguf", name)
     _both_refuse(tiny_target_gguf, planted, name)
+
+
+@pytest.mark.parametrize("name", ["token_embd.weight", "output.weight"])
+def test_a_draft_with_its_own_embeddings_or_head_is_refused(name, tiny_draft_gguf, tiny_target_gguf, tmp_path):
+    """llama.cpp would use a draft's own token_embd / output; the runtime's graph uses the target's,
+    so the runtime and the reference refuse such a file rather than answer with other weights."""
+    from dflash_llama.reference import load_draft
+
+    vocab, hidden = reversed(dflash_llama.gguf_info(tiny_target_gguf).tensor("token_embd.weight").shape)
+    planted = _with_tensor(tiny_draft_gguf, tmp_path / "own.gguf", name, np.ones((vocab, hidden), np.float32))
+    message = (f"{planted}: tensor '{name}': the runtime uses the target's embeddings and head; "
+               "a draft with its own is not supported by this runtime")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        dflash_llama.Runtime(tiny_target_gguf, planted, n_threads=1, n_ctx=64)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        load_draft(planted)
+    assert S.refusals({}, [name]) == [message.removeprefix(f"{planted}: ")]
 
 
 def GGUFReaderKV(path: Path) -> dict:  # noqa: N802  (reads like a constructor)
