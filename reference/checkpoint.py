@@ -32,8 +32,11 @@ def load_draft(path: str | os.PathLike, embed_tokens: torch.Tensor | None = None
     if not path.exists():
         raise FileNotFoundError(f"draft {path} does not exist")
     if path.is_dir():
-        cfg = read_hf_config(path)
-        tensors = _check_hf_tensors(path, cfg, _read_safetensors(path))
+        cfg, tensors = read_hf_config(path), _read_safetensors(path)
+        _check_shapes(path, cfg, tensors)
+        if not cfg.rope_neox:  # interleaved-pair RoPE -> NeoX halves, per head, like llama.cpp's converter
+            tensors = {n: interleaved_to_halves(t, cfg.head_dim) if S.is_rope_permuted(S.gguf_tensor_name(n)[0])
+                       else t for n, t in tensors.items()}
     else:
         cfg, tensors = read_draft_gguf(path)
 
@@ -108,15 +111,6 @@ def _check_shapes(source, cfg: DraftConfig, tensors: dict) -> None:
         if tuple(tensors[name].shape) != shape:
             raise ValueError(f"{source}: tensor {name} has shape {tuple(tensors[name].shape)}, "
                              f"the config implies {shape}")
-
-
-def _check_hf_tensors(path, cfg: DraftConfig, tensors: dict) -> dict:
-    _check_shapes(path, cfg, tensors)
-    if not cfg.rope_neox:  # interleaved-pair RoPE -> NeoX halves, per head, like llama.cpp's converter
-        for name in tensors:
-            if S.is_rope_permuted(S.gguf_tensor_name(name)[0]):
-                tensors[name] = interleaved_to_halves(tensors[name], cfg.head_dim)
-    return tensors
 
 
 # ---------------------------------------------------------------- GGUF

@@ -497,12 +497,8 @@ class DraftHParams:
             kv += [(ROPE_SCALING_TYPE, "linear"), (ROPE_SCALING_FACTOR, self.rope_linear_factor)]
         kv += [(ROPE_FREQ_BASE, self.rope_freq_base), (RMS_EPS, self.rms_eps),
                (KEY_LENGTH, self.head_dim), (VALUE_LENGTH, self.head_dim)]
-        if file_type is not None:
-            kv.append((GENERAL_FILE_TYPE, file_type))
-        if self.n_rot is not None:
-            kv.append((ROPE_DIMENSION_COUNT, self.n_rot))
-        if self.value_scale is not None:
-            kv.append((VALUE_SCALE, self.value_scale))
+        kv += [(k, v) for k, v in ((GENERAL_FILE_TYPE, file_type), (ROPE_DIMENSION_COUNT, self.n_rot),
+                                   (VALUE_SCALE, self.value_scale)) if v is not None]
         kv.append((BLOCK_SIZE, self.block_size))
         kv += [(k, v) for k, v in ((LOGIT_SCALE, self.logit_scale), (FINAL_LOGIT_SOFTCAPPING, self.logit_softcap),
                                    (EMBEDDING_SCALE, self.embedding_scale)) if v is not None]
