@@ -131,9 +131,7 @@ def run(args: argparse.Namespace) -> tuple[dict, Path]:
     """Measure, then write bench.json, bench.md and the plots; returns the result and the folder."""
     from tqdm import tqdm
 
-    from dflash_llama import fixtures
-
-    from dflash_llama import prompts as prompt_sets
+    from dflash_llama import fixtures, prompts as prompt_sets
 
     from . import plots, report
     from .runner import Bench, Settings

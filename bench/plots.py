@@ -83,11 +83,12 @@ def speed_by_block_size(res: dict, path: Path) -> Path:
     base = summ["llama-completion"]["tokens_per_second"]
     fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.8))
     for ax, speedup in zip(axes, (False, True)):
-        def y(key):
+        def y(key, speedup=speedup):
             v = summ[key]["tokens_per_second"]
             return v / base if speedup else v
 
-        for impl, color, name in (("dflash-llama", OURS, "dflash-llama DFlash"), ("llama.cpp", NATIVE, "llama.cpp native DFlash")):
+        for impl, color, name in (("dflash-llama", OURS, "dflash-llama DFlash"),
+                                  ("llama.cpp", NATIVE, "llama.cpp native DFlash")):
             pts = sorted((m["block_size"], y(m["key"])) for m in ms
                          if m["impl"] == impl and m["kind"] == "dflash" and m["draft_max"] is None)
             if pts:

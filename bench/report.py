@@ -50,7 +50,7 @@ def render(res: dict, command: str, plots: list[str]) -> str:
     add("| method | tok/s | vs llama-completion | median/prompt | vs our autoregressive | tau | acceptance "
         "| exact | = llama-completion |")
     add("|---|---:|---:|---:|---:|---:|---:|---|---:|")
-    for key, it in summ.items():
+    for it in summ.values():
         exact = f"{it['exact']}/{it['prompts']}" + ("" if it["all_exact"] else " **not all**")
         add(f"| {it['label']} | {_f(it['tokens_per_second'])} | {_f(it['speedup_vs_llama-completion'], 2, 'x')} | "
             f"{_f(it['median_prompt_speedup_vs_llama-completion'], 2, 'x')} | {_f(it['speedup_vs_runtime-ar'], 2, 'x')} | "
@@ -104,7 +104,7 @@ def render(res: dict, command: str, plots: list[str]) -> str:
     add("## Where the time goes (our runtime, all prompts)\n")
     add("| method | prefill ms | draft ms | verify ms | other ms | verify share of decode |")
     add("|---|---:|---:|---:|---:|---:|")
-    for key, it in summ.items():
+    for it in summ.values():
         t = it.get("time_split_ms")
         if t:
             dec = t["total"] - t["prefill"]

@@ -376,7 +376,8 @@ class Bench:
         cm = self.cost_model()
         pick = cm["pick"]["n_draft"] if s.draft_max == "auto" else int(s.draft_max)
         if pick > self.block_size - 1:
-            raise ValueError(f"--draft-max {pick} exceeds the draft's block: at most {self.block_size - 1} drafted tokens")
+            raise ValueError(f"--draft-max {pick} exceeds the draft's block: "
+                             f"at most {self.block_size - 1} drafted tokens")
         self.pick = cm["used_n_draft"] = pick
         methods = plan_methods(s, self.block_size, pick)
         assumed = len(plan_methods(s, self.block_size, 1 if self.block_size > 2 else None))
@@ -481,7 +482,8 @@ def summarise(rows: list[dict], methods: list[Method]) -> dict:
             item["acceptance_length_histogram"] = {str(k): lengths.count(k) for k in range(1, m.block_size + 1)}
             item["acceptance_by_position"] = cost_model.survival(
                 [pair for r in rs for pair in zip(r["drafted_per_step"], r["accepted_per_step"])])
-            split = {k: sum(r["time_split_ms"][k] for r in rs) for k in ("prefill", "draft", "verify", "other", "total")}
+            split = {k: sum(r["time_split_ms"][k] for r in rs)
+                     for k in ("prefill", "draft", "verify", "other", "total")}
             item["time_split_ms"] = split
         out[m.key] = item
     return out

@@ -91,7 +91,8 @@ def _summary(report: dict, paths: dict) -> str:
         lines.append(f"  first divergence: {fd['message']}")
     e2e = report["stages"]["end_to_end"]
     if e2e.get("tau"):
-        lines.append("  tau: " + ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in e2e["tau"].items()))
+        taus = (f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in e2e["tau"].items())
+        lines.append("  tau: " + ", ".join(taus))
     lines.append(f"  report: {paths['md']}")
     return "\n".join(lines)
 

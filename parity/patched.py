@@ -86,7 +86,8 @@ def patched_tool(patch, work: str | Path, tool: str = "llama-speculative-simple"
         objects.append(str(obj))
 
     ninja = (build / "build.ninja").read_text()
-    m = re.search(rf"^build bin/{re.escape(tool)}: CXX_EXECUTABLE_LINKER\S* (\S+\.o)[^\n]*\n((?:  [^\n]*\n)+)", ninja, re.M)
+    link_rule = rf"^build bin/{re.escape(tool)}: CXX_EXECUTABLE_LINKER\S* (\S+\.o)[^\n]*\n((?:  [^\n]*\n)+)"
+    m = re.search(link_rule, ninja, re.M)
     if m is None:
         raise ValueError(f"{tool} is not built by our build (DFLASH_LLAMA_PEER_TOOLS=ON)")
     variables = dict(re.findall(r"^  (\w+) = (.*)$", m.group(2), re.M))

@@ -407,8 +407,10 @@ def first_divergence(report: dict) -> dict | None:
         elif kind == "converter":
             out.update(error=entry.get("error"), bound=entry.get("bound"), tensor=entry["name"])
             msg = (f"{name}: first intermediate reading {entry['name']}, which differs from the HF tensor "
-                   f"(relative error {_fmt(entry['error']) if entry.get('error') is not None else entry.get('detail')}"
-                   + (f", re-quantised {_fmt(entry['requant_error'])}" if entry.get("requant_error") is not None else "")
+                   "(relative error "
+                   + (_fmt(entry["error"]) if entry.get("error") is not None else str(entry.get("detail")))
+                   + (f", re-quantised {_fmt(entry['requant_error'])}"
+                      if entry.get("requant_error") is not None else "")
                    + f", bound {_fmt(entry['bound']) if entry.get('bound') is not None else '-'})")
             effect = [e for e in errs.values() if e is not None]
             if effect and name in names:
@@ -417,7 +419,8 @@ def first_divergence(report: dict) -> dict | None:
         else:
             msg = f"{name}: {entry['impl']} does not compute it"
         if weights and kind == "graph":
-            msg += "; stage 1: " + ", ".join(f"{t['name']} {_fmt(t['error'])}" for t in weights if t.get("error") is not None)
+            msg += "; stage 1: " + ", ".join(f"{t['name']} {_fmt(t['error'])}" for t in weights
+                                             if t.get("error") is not None)
         out["message"] = msg
         return out
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_llama import fixtures
-from dflash_llama.prompts import Prompt
 from dflash_llama.converter import convert
+from dflash_llama.prompts import Prompt
 
 PROMPTS = [Prompt("fib", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
            Prompt("stack", "class Stack:\n    def push(self, item):\n        ")]

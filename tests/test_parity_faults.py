@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from parity_helpers import PROMPTS, tiny_draft
 
 from dflash_llama.parity import faults
 from dflash_llama.parity.stages import ParityConfig, run_parity
-
-from parity_helpers import PROMPTS, tiny_draft
 
 
 @pytest.fixture(scope="module")

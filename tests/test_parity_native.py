@@ -69,7 +69,8 @@ def test_native_bad_input(pair, tiny_target_gguf):
         native.trace(np.zeros((3, 64), np.float32), [1, 0, 0])
     with pytest.raises(ValueError, match="block token 49152 is outside the vocabulary"):
         native.trace(np.zeros((3, 128), np.float32), [49152, 0])
-    with pytest.raises(ValueError, match=r"features \(125\) \+ block \(8\) exceed the native draft context of 128 positions"):
+    with pytest.raises(ValueError,
+                       match=r"features \(125\) \+ block \(8\) exceed the native draft context of 128 positions"):
         native.trace(np.zeros((125, 128), np.float32), [1] * 8)
     with pytest.raises(ValueError, match="architecture is 'qwen3', not a DFlash draft"):
         NativeDraft(rt, tiny_target_gguf)

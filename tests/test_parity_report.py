@@ -10,14 +10,12 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from parity_helpers import PROMPTS, tiny_draft
 
 from dflash_llama import schema as L
-from dflash_llama.parity import bounds as B
-from dflash_llama.parity import report as R
+from dflash_llama.parity import bounds as B, report as R
 from dflash_llama.parity.graph import first_reader, graph_order
 from dflash_llama.parity.stages import ParityConfig, layer_check, run_parity
-
-from parity_helpers import PROMPTS, tiny_draft
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "parity.md"
 

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from dflash_llama import cli
-from dflash_llama.reference import (Sampling, generate_autoregressive, generate_speculative,
-                                    load_draft_for_target)
+from dflash_llama.reference import Sampling, generate_autoregressive, generate_speculative, load_draft_for_target
 
 torch.set_num_threads(1)
 

@@ -9,8 +9,13 @@ import pytest
 import torch
 
 from dflash_llama import fixtures
-from dflash_llama.reference import (DraftConfig, default_target_layer_ids, load_draft, load_draft_for_target,
-                                    read_hf_config)
+from dflash_llama.reference import (
+    DraftConfig,
+    default_target_layer_ids,
+    load_draft,
+    load_draft_for_target,
+    read_hf_config,
+)
 from dflash_llama.schema import DraftHParams
 
 dm = pytest.importorskip("dflash.model")  # the published reference, installed --no-deps

@@ -9,8 +9,13 @@ import pytest
 import torch
 
 from dflash_llama import fixtures
-from dflash_llama.reference import (Sampling, Target, generate_autoregressive,
-                                    generate_speculative, load_draft_for_target)
+from dflash_llama.reference import (
+    Sampling,
+    Target,
+    generate_autoregressive,
+    generate_speculative,
+    load_draft_for_target,
+)
 from dflash_llama.reference.speculative import accept_sampled, sampling_probs
 
 dm = pytest.importorskip("dflash.model")  # the published reference, installed --no-deps

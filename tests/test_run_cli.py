@@ -10,7 +10,8 @@ import pytest
 from dflash_llama import cli
 from dflash_llama.run_cli import DEFAULT_DRAFT
 
-PROMPT = 'def count_vowels(text: str) -> int:\n    """Return how many vowels text has.\n    >>> count_vowels("banana")\n    3\n    """\n'
+PROMPT = ('def count_vowels(text: str) -> int:\n    """Return how many vowels text has.\n'
+          '    >>> count_vowels("banana")\n    3\n    """\n')
 
 
 @pytest.fixture

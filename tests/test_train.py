@@ -13,10 +13,26 @@ import torch
 import dflash_llama
 from dflash_llama.converter import convert
 from dflash_llama.reference.checkpoint import load_draft
-from dflash_llama.train.trainer import (TrainConfig, block_hidden, make_batch, position_weights, replay_anchors,
-                                          replay_tau, target_weights_from_gguf, train)
-from dflash_llama.train.data import (SELF_OPENER, DatasetSpec, _humaneval_docstring, build_dataset,
-                                                code_prompts, iter_sequences, self_prompts, signature_line)
+from dflash_llama.train.data import (
+    SELF_OPENER,
+    DatasetSpec,
+    _humaneval_docstring,
+    build_dataset,
+    code_prompts,
+    iter_sequences,
+    self_prompts,
+    signature_line,
+)
+from dflash_llama.train.trainer import (
+    TrainConfig,
+    block_hidden,
+    make_batch,
+    position_weights,
+    replay_anchors,
+    replay_tau,
+    target_weights_from_gguf,
+    train,
+)
 
 LAYERS = [1, 3]
 
@@ -43,7 +59,8 @@ def test_prompts_with_examples_show_doctests():
 def test_humaneval_style_keeps_the_summary_and_three_examples():
     doc = ("Add two numbers.\n\nParameters\n----------\na, b : int\n\nExamples\n--------\n"
            ">>> add(1, 2)\n3\n>>> add(\n...     2, 2)\n4\n\nMore prose.\n\n>>> add(0, 0)\n0\n>>> add(5, 5)\n10\n")
-    assert _humaneval_docstring(doc) == "Add two numbers.\n>>> add(1, 2)\n3\n>>> add(\n...     2, 2)\n4\n>>> add(0, 0)\n0"
+    assert _humaneval_docstring(doc) == ("Add two numbers.\n>>> add(1, 2)\n3\n>>> add(\n...     2, 2)\n4\n"
+                                         ">>> add(0, 0)\n0")
     assert _humaneval_docstring("Only prose.\n\nNo example.") is None
     prompts = code_prompts(limit=40, seed=0, style="humaneval")
     assert len(prompts) == 40

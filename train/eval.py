@@ -55,7 +55,8 @@ class DraftEvaluation:
                 "n_predict": self.n_predict, "scores": [s.to_json() for s in self.scores]}
 
     def markdown(self) -> str:
-        rows = ["| engine | prompts | tau | acceptance rate | exact | seconds | note |", "|---|---:|---:|---:|---|---:|---|"]
+        rows = ["| engine | prompts | tau | acceptance rate | exact | seconds | note |",
+                "|---|---:|---:|---:|---|---:|---|"]
         for s in self.scores:
             exact = "" if s.exact is None else ("yes" if s.exact else "NO")
             tau = f"{s.tau:.3f}" if s.steps else "n/a"  # llama-speculative-simple reports no verify count
@@ -98,8 +99,7 @@ def score_native(target: Path, checkpoint: Path, prompts: list[str], n_predict: 
     holding the config and tokenizer transformers reads from the GGUF), run by llama.cpp."""
     from tqdm import tqdm
 
-    from dflash_llama import fixtures
-    from dflash_llama import peers
+    from dflash_llama import fixtures, peers
 
     hf = work / "target-hf"
     if not (hf / "config.json").exists():

@@ -31,7 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from dflash_llama.reference.gguf_tensors import TargetWeights, target_weights_from_gguf
-from dflash_llama.reference.model import DFlashDraft, DraftConfig, apply_rope, rope_cos_sin
+from dflash_llama.reference.model import DFlashDraft, DraftConfig, rope_cos_sin
 
 
 @dataclass
@@ -80,7 +80,7 @@ def init_draft(dcfg: DraftConfig, seed: int) -> DFlashDraft:
     torch.manual_seed(seed)
     draft = DFlashDraft(dcfg)
     with torch.no_grad():
-        for name, p in draft.named_parameters():
+        for p in draft.parameters():
             if p.dim() == 2:
                 torch.nn.init.normal_(p, std=0.02)
             else:
@@ -113,7 +113,8 @@ def block_hidden(draft: DFlashDraft, feats: torch.Tensor, tokens: torch.Tensor,
 
     block_ids = torch.full((M, B), cfg.mask_token_id, dtype=torch.long)
     block_ids[:, 0] = tokens[anchors]
-    x = F.embedding(block_ids.reshape(-1), draft.embed_tokens) * (1.0 if cfg.embedding_scale is None else cfg.embedding_scale)
+    scale = 1.0 if cfg.embedding_scale is None else cfg.embedding_scale
+    x = F.embedding(block_ids.reshape(-1), draft.embed_tokens) * scale
     c = draft.hidden_norm(draft.fc(feats.to(dtype)))
     for layer in draft.layers:
         k_ctx, v_ctx = layer.context_kv(c, ctx_cos, ctx_sin)

@@ -212,8 +212,8 @@ def constant_draft_hf(out_dir: str | os.PathLike, target_gguf: str | os.PathLike
     """
     import gguf
     import numpy as np
-    from gguf import GGUFReader
     import torch
+    from gguf import GGUFReader
     from safetensors.torch import load_file, save_file
 
     cfg = cfg or TinyDraftConfig()
