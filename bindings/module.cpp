@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
@@ -162,8 +163,8 @@ void bind_engine(nb::module_ & m) {
         .def_prop_ro("block_size", [](engine & e) { return e.hparams().block_size; })
         .def_prop_ro("mask_token_id", [](engine & e) { return e.hparams().mask_token_id; })
         .def_prop_ro("target_layer_ids", [](engine & e) { return e.hparams().target_layer_ids; })
-        .def("tokenize", [](engine & e, const std::string & text, bool add_special) {
-                 return e.target().tokenize(text, add_special);
+        .def("tokenize", [](engine & e, nb::bytes text, bool add_special) {  // bytes: checked as UTF-8 in C++
+                 return e.target().tokenize(std::string(text.c_str(), text.size()), add_special);
              }, "text"_a, "add_special"_a = true)
         .def("detokenize", [](engine & e, const std::vector<int32_t> & tokens) {
                  return as_bytes(e.target().detokenize(tokens));

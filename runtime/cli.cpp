@@ -6,14 +6,22 @@
 // acceptance per block position, tok/s, time split). --json prints one JSON object instead.
 #include "engine.h"
 
+#include <cctype>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <limits>
 
 namespace {
 
@@ -35,7 +43,7 @@ void print_usage(const char * argv0) {
         "  -p,  --prompt TEXT       prompt\n"
         "  -f,  --file FILE         read the prompt from a file\n"
         "  -n,  --n-predict N       tokens to generate (default: 128)\n"
-        "  -t,  --threads N         CPU threads (default: all)\n"
+        "  -t,  --threads N         CPU threads (default: 0 = all; -1 = all, as llama.cpp)\n"
         "  -c,  --ctx-size N        context size (default: 4096)\n"
         "  -b,  --batch-size N      prompt chunk size (default: 512)\n"
         "  -ngl, --n-gpu-layers N   target layers on the GPU (default: 0)\n"
@@ -53,28 +61,63 @@ void print_usage(const char * argv0) {
         argv0);
 }
 
+// One line: a message from llama.cpp or the OS may hold newlines.
+std::string one_line(const char * what) {
+    std::string out;
+    bool space = false;
+    for (const char * c = what; *c; ++c) {
+        if (std::isspace((unsigned char) *c)) { space = !out.empty(); continue; }
+        if (space) out += ' ';
+        space = false;
+        out += *c;
+    }
+    return out.empty() ? "unknown error" : out;
+}
+
 [[noreturn]] void usage_error(const std::string & msg) {
-    std::fprintf(stderr, "llama-dflash-cli: error: %s (see --help)\n", msg.c_str());
+    std::fprintf(stderr, "llama-dflash-cli: error: %s (see --help)\n", one_line(msg.c_str()).c_str());
     std::exit(2);
 }
 
-long parse_int(const std::string & flag, const char * value) {
-    char * end = nullptr;
-    errno = 0;
-    const long v = std::strtol(value, &end, 10);
-    if (errno != 0 || end == value || *end != '\0') {
+// The whole string as an integer of type T; out of T's range is an error, never a wrap. What the
+// value means (at least 1, ...) is checked by the runtime, which knows the model.
+template <typename T>
+T parse_int(const std::string & flag, const char * value) {
+    const char * end = value + std::strlen(value);
+    const char * digits = value + (std::is_unsigned_v<T> && *value == '-' ? 1 : 0);  // from_chars refuses "-3" for T unsigned
+    T v{};
+    const auto [ptr, ec] = std::from_chars(digits, end, v);
+    if (ptr != end || ptr == digits || (ec != std::errc() && ec != std::errc::result_out_of_range)) {
         usage_error("invalid integer for " + flag + ": '" + value + "'");
+    }
+    if (ec == std::errc::result_out_of_range || (digits != value && v != 0)) {
+        usage_error(flag + " " + value + " is out of range [" + std::to_string(std::numeric_limits<T>::min()) + ", " +
+                    std::to_string(std::numeric_limits<T>::max()) + "]");
     }
     return v;
 }
 
 float parse_float(const std::string & flag, const char * value) {
     char * end = nullptr;
+    errno = 0;
     const float v = std::strtof(value, &end);
-    if (end == value || *end != '\0') {
+    if (end == value || *end != '\0' || std::isspace((unsigned char) *value)) {
         usage_error("invalid number for " + flag + ": '" + value + "'");
     }
+    if (errno == ERANGE && std::isinf(v)) {  // "1e99": not a float; "inf" itself is left to the runtime's checks
+        usage_error(flag + " " + value + " is out of range for a 32-bit float");
+    }
     return v;
+}
+
+std::string read_prompt_file(const char * path) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) usage_error(std::string("cannot read prompt file '") + path + "': a directory");
+    std::ifstream in(path, std::ios::binary);
+    if (!in) usage_error(std::string("cannot read prompt file '") + path + "'");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
 }
 
 cli_args parse_args(int argc, char ** argv) {
@@ -85,29 +128,24 @@ cli_args parse_args(int argc, char ** argv) {
             if (i + 1 >= argc) usage_error("missing value for " + flag);
             return argv[++i];
         };
+        auto int32 = [&]() { return parse_int<int32_t>(flag, value()); };
         if (flag == "-h" || flag == "--help") { print_usage(argv[0]); std::exit(0); }
         else if (flag == "--version") { std::printf("llama-dflash-cli (llama.cpp %s)\n", DFLASH_LLAMA_CPP_COMMIT); std::exit(0); }
         else if (flag == "-m"   || flag == "--model")        a.engine.target.path = value();
         else if (flag == "-md"  || flag == "--model-draft")  a.engine.draft_path = value();
         else if (flag == "-p"   || flag == "--prompt")       { a.prompt = value(); a.has_prompt = true; }
-        else if (flag == "-f"   || flag == "--file") {
-            const char * path = value();
-            std::ifstream in(path, std::ios::binary);
-            if (!in) usage_error(std::string("cannot read prompt file '") + path + "'");
-            std::stringstream ss; ss << in.rdbuf();
-            a.prompt = ss.str(); a.has_prompt = true;
-        }
-        else if (flag == "-n"   || flag == "--n-predict")    a.gen.max_new_tokens = (int32_t) parse_int(flag, value());
-        else if (flag == "-t"   || flag == "--threads")      a.engine.target.n_threads = (int32_t) parse_int(flag, value());
-        else if (flag == "-c"   || flag == "--ctx-size")     a.engine.target.n_ctx = (int32_t) parse_int(flag, value());
-        else if (flag == "-b"   || flag == "--batch-size")   a.engine.target.n_batch = (int32_t) parse_int(flag, value());
-        else if (flag == "-ngl" || flag == "--n-gpu-layers") a.engine.target.n_gpu_layers = (int32_t) parse_int(flag, value());
+        else if (flag == "-f"   || flag == "--file")         { a.prompt = read_prompt_file(value()); a.has_prompt = true; }
+        else if (flag == "-n"   || flag == "--n-predict")    a.gen.max_new_tokens = int32();
+        else if (flag == "-t"   || flag == "--threads")      a.engine.target.n_threads = int32();
+        else if (flag == "-c"   || flag == "--ctx-size")     a.engine.target.n_ctx = int32();
+        else if (flag == "-b"   || flag == "--batch-size")   a.engine.target.n_batch = int32();
+        else if (flag == "-ngl" || flag == "--n-gpu-layers") a.engine.target.n_gpu_layers = int32();
         else if (flag == "--temp")       a.gen.sampling.temperature = parse_float(flag, value());
         else if (flag == "--top-p")      a.gen.sampling.top_p = parse_float(flag, value());
-        else if (flag == "--top-k")      a.gen.sampling.top_k = (int32_t) parse_int(flag, value());
-        else if (flag == "-s" || flag == "--seed") a.gen.sampling.seed = (uint64_t) parse_int(flag, value());
-        else if (flag == "--block-size") a.gen.block_size = (int32_t) parse_int(flag, value());
-        else if (flag == "--draft-max")  a.gen.draft_max = (int32_t) parse_int(flag, value());
+        else if (flag == "--top-k")      a.gen.sampling.top_k = int32();
+        else if (flag == "-s" || flag == "--seed") a.gen.sampling.seed = parse_int<uint64_t>(flag, value());
+        else if (flag == "--block-size") a.gen.block_size = int32();
+        else if (flag == "--draft-max")  a.gen.draft_max = int32();
         else if (flag == "--no-draft")   a.no_draft = true;
         else if (flag == "--ignore-eos") a.gen.stop_at_eog = false;
         else if (flag == "--json")       a.json = true;
@@ -117,8 +155,6 @@ cli_args parse_args(int argc, char ** argv) {
     if (a.engine.target.path.empty()) usage_error("a target model is required (-m)");
     if (a.engine.draft_path.empty() && !a.no_draft) usage_error("a draft model is required (-md), or pass --no-draft");
     if (!a.has_prompt) usage_error("a prompt is required (-p or -f)");
-    if (a.gen.block_size == 1 || a.gen.block_size < 0) usage_error("--block-size must be at least 2");
-    if (a.gen.draft_max == 0 || a.gen.draft_max < -1) usage_error("--draft-max must be at least 1");
     if (a.no_draft) a.engine.draft_path.clear();
     return a;
 }
@@ -191,10 +227,11 @@ int main(int argc, char ** argv) {
         const std::vector<int32_t> prompt = eng.target().tokenize(args.prompt, true);
 
         dflash::token_callback stream;
+        bool echoed = false;
         if (!args.json) {
-            std::fputs(args.prompt.c_str(), stdout);
-            std::fflush(stdout);
             stream = [&](const std::vector<int32_t> & tokens) {
+                if (!echoed) std::fputs(args.prompt.c_str(), stdout);  // once the runtime accepted the request
+                echoed = true;
                 for (const int32_t t : tokens) std::fputs(eng.target().piece(t).c_str(), stdout);
                 std::fflush(stdout);
             };
@@ -206,8 +243,11 @@ int main(int argc, char ** argv) {
         } else {
             print_stats(r, !args.no_draft);
         }
+    } catch (const std::invalid_argument & e) {  // bad input: a value, a file, a prompt
+        std::fprintf(stderr, "llama-dflash-cli: error: %s\n", one_line(e.what()).c_str());
+        return 2;
     } catch (const std::exception & e) {
-        std::fprintf(stderr, "llama-dflash-cli: error: %s\n", e.what());
+        std::fprintf(stderr, "llama-dflash-cli: error: %s\n", one_line(e.what()).c_str());
         return 1;
     }
     return 0;

@@ -2,18 +2,29 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <numeric>
 #include <stdexcept>
 #include <string>
 
 namespace dflash {
 
+namespace {
+
+std::string show(float v) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%g", v);
+    return buf;
+}
+
+} // namespace
+
 void check_sampling_params(const sampling_params & params) {
-    if (!(params.temperature >= 0.0f)) {
-        throw std::invalid_argument("temperature must be >= 0, got " + std::to_string(params.temperature));
+    if (!(params.temperature >= 0.0f && std::isfinite(params.temperature))) {
+        throw std::invalid_argument("temperature must be a finite number >= 0, got " + show(params.temperature));
     }
     if (!(params.top_p > 0.0f && params.top_p <= 1.0f)) {
-        throw std::invalid_argument("top_p must be in (0, 1], got " + std::to_string(params.top_p));
+        throw std::invalid_argument("top_p must be in (0, 1], got " + show(params.top_p));
     }
     if (params.top_k < 0) {
         throw std::invalid_argument("top_k must be >= 0, got " + std::to_string(params.top_k));

@@ -23,6 +23,11 @@ struct stop_rule {
     }
 };
 
+// prompt + max_new_tokens, in 64 bits: max_new_tokens may be anything up to INT32_MAX
+int64_t requested_length(const std::vector<int32_t> & prompt, const generate_params & params) {
+    return (int64_t) prompt.size() + params.max_new_tokens;
+}
+
 // Checks shared by both loops; returns the total sequence length allowed (prompt + generated).
 int32_t check_request(const target_runner & target, const std::vector<int32_t> & prompt, const generate_params & params) {
     check_sampling_params(params.sampling);
@@ -32,7 +37,7 @@ int32_t check_request(const target_runner & target, const std::vector<int32_t> &
     if (params.max_new_tokens < 1) {
         throw std::invalid_argument("max_new_tokens must be at least 1, got " + std::to_string(params.max_new_tokens));
     }
-    if ((int32_t) prompt.size() > target.n_ctx()) {
+    if (prompt.size() > (size_t) target.n_ctx()) {
         throw std::invalid_argument("the prompt has " + std::to_string(prompt.size()) + " tokens but the context holds " +
                                     std::to_string(target.n_ctx()) + " (raise n_ctx / -c)");
     }
@@ -43,7 +48,14 @@ int32_t check_request(const target_runner & target, const std::vector<int32_t> &
         }
     }
     // every generated token but the last is decoded by the target, so the whole sequence fits in n_ctx
-    return std::min<int32_t>((int32_t) prompt.size() + params.max_new_tokens, target.n_ctx());
+    return (int32_t) std::min<int64_t>(requested_length(prompt, params), target.n_ctx());
+}
+
+// plain decoding drafts nothing: a block size or draft_max given to it would be silently ignored
+void check_no_draft_params(const generate_params & params) {
+    if (params.block_size || params.draft_max) {
+        throw std::invalid_argument("block_size and draft_max need a draft (plain decoding drafts nothing)");
+    }
 }
 
 int32_t choose(const float * logits, int32_t n_vocab, const sampling_params & sp, sampler & rng) {
@@ -58,7 +70,7 @@ int32_t choose(const float * logits, int32_t n_vocab, const sampling_params & sp
 std::string stop_reason_for(int32_t length, int32_t max_length, bool stopped, const std::vector<int32_t> & prompt,
                             const generate_params & params) {
     if (stopped) return "stop_token";
-    if (length >= max_length && max_length < (int32_t) prompt.size() + params.max_new_tokens) return "context_full";
+    if (length >= max_length && max_length < requested_length(prompt, params)) return "context_full";
     return "max_tokens";
 }
 
@@ -92,7 +104,7 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
     const auto t_start = clock_type::now();
     const int32_t max_length = check_request(target, prompt, params);
     const draft_hparams & hp = draft.hparams();
-    const int32_t block_size = params.block_size > 0 ? params.block_size : hp.block_size;
+    const int32_t block_size = params.block_size.value_or(hp.block_size);
     if (block_size < 2) {
         throw std::invalid_argument("block size must be at least 2, got " + std::to_string(block_size));
     }
@@ -100,10 +112,10 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
         throw std::invalid_argument("the context (" + std::to_string(target.n_ctx()) + " tokens) is smaller than one block (" +
                                     std::to_string(block_size) + " tokens)");
     }
-    if (params.draft_max == 0 || params.draft_max < -1) {
-        throw std::invalid_argument("draft_max must be at least 1 (or -1: the block), got " + std::to_string(params.draft_max));
+    if (params.draft_max && *params.draft_max < 1) {
+        throw std::invalid_argument("draft_max must be at least 1, got " + std::to_string(*params.draft_max));
     }
-    const int32_t draft_max = params.draft_max < 0 ? block_size - 1 : std::min(params.draft_max, block_size - 1);
+    const int32_t draft_max = std::min(params.draft_max.value_or(block_size - 1), block_size - 1);
     const sampling_params & sp = params.sampling;
     const stop_rule is_stop{target, params};
     const int32_t n_vocab = target.n_vocab();
@@ -209,6 +221,7 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
 generate_result generate_autoregressive(target_runner & target, const std::vector<int32_t> & prompt,
                                         const generate_params & params, const token_callback & on_tokens) {
     const auto t_start = clock_type::now();
+    check_no_draft_params(params);
     const int32_t max_length = check_request(target, prompt, params);
     const sampling_params & sp = params.sampling;
     const stop_rule is_stop{target, params};
@@ -255,6 +268,7 @@ std::vector<generate_result> generate_autoregressive_batch(target_runner & targe
     const stop_rule is_stop{target, params};
     std::vector<generate_result> results(prompts.size());
     std::vector<int32_t> max_length(prompts.size());
+    check_no_draft_params(params);
     for (size_t i = 0; i < prompts.size(); ++i) {
         max_length[i] = check_request(target, prompts[i], params);
         results[i].stats.n_prompt = (int32_t) prompts[i].size();

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,8 +17,8 @@ namespace dflash {
 struct generate_params {
     int32_t max_new_tokens = 128;
     sampling_params sampling;
-    int32_t block_size = 0;    // 0: the draft's trained block size
-    int32_t draft_max  = -1;   // verify at most this many drafted tokens; -1: block_size - 1
+    std::optional<int32_t> block_size;  // unset: the draft's trained block size
+    std::optional<int32_t> draft_max;   // verify at most this many drafted tokens; unset: block_size - 1
     std::vector<int32_t> stop_tokens;  // in addition to the vocabulary's end-of-generation tokens
     bool    stop_at_eog = true;
 };

@@ -6,12 +6,41 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <climits>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <stdexcept>
 #include <thread>
 
 namespace dflash {
+
+namespace {
+
+// llama.cpp's tokenizer turns each invalid byte into U+FFFD without a word: refuse the text instead
+void check_utf8(const std::string & text) {
+    for (size_t i = 0; i < text.size();) {
+        const unsigned char c = (unsigned char) text[i];
+        const size_t n = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 0;
+        bool ok = n > 0 && i + n <= text.size();
+        uint32_t cp = n == 1 ? c : n == 2 ? (c & 0x1F) : n == 3 ? (c & 0x0F) : (c & 0x07);
+        for (size_t k = 1; ok && k < n; ++k) {
+            const unsigned char b = (unsigned char) text[i + k];
+            ok = (b & 0xC0) == 0x80;
+            cp = (cp << 6) | (b & 0x3F);
+        }
+        static const uint32_t min_cp[5] = { 0, 0, 0x80, 0x800, 0x10000 };  // shorter forms are overlong
+        ok = ok && cp >= min_cp[n] && cp <= 0x10FFFF && !(cp >= 0xD800 && cp <= 0xDFFF);
+        if (!ok) {
+            char buf[96];
+            std::snprintf(buf, sizeof(buf), "the prompt is not valid UTF-8 (byte 0x%02x at offset %zu)", c, i);
+            throw std::invalid_argument(buf);
+        }
+        i += n;
+    }
+}
+
+} // namespace
 
 target_runner::target_runner(const target_params & params) {
     std::error_code ec;
@@ -23,6 +52,14 @@ target_runner::target_runner(const target_params & params) {
     }
     if (params.n_ctx < 1) {
         throw std::invalid_argument("n_ctx must be at least 1, got " + std::to_string(params.n_ctx));
+    }
+    if (params.n_threads < -1 || params.n_threads > GGML_MAX_N_THREADS) {  // 0 and -1: all, as llama.cpp
+        throw std::invalid_argument("n_threads must be in [1, " + std::to_string(GGML_MAX_N_THREADS) +
+                                    "] (0 or -1: all CPUs), got " + std::to_string(params.n_threads));
+    }
+    if ((int64_t) params.n_ctx * params.n_seq > INT32_MAX) {
+        throw std::invalid_argument("n_ctx * n_seq must be at most " + std::to_string(INT32_MAX) + ", got " +
+                                    std::to_string((int64_t) params.n_ctx * params.n_seq));
     }
     clear_last_error();
 
@@ -250,6 +287,10 @@ void target_runner::rollback(int32_t pos) {
 }
 
 std::vector<int32_t> target_runner::tokenize(const std::string & text, bool add_special) const {
+    check_utf8(text);
+    if (text.size() > (size_t) INT32_MAX) {
+        throw std::invalid_argument("the prompt has " + std::to_string(text.size()) + " bytes, more than llama.cpp tokenizes");
+    }
     int32_t n = -llama_tokenize(vocab_, text.data(), (int32_t) text.size(), nullptr, 0, add_special, true);
     std::vector<int32_t> out(std::max(n, 0));
     if (n > 0) {

@@ -6,11 +6,15 @@
     for piece in rt.generate("def fib(n):", 64, stream=True): print(piece, end="")
 
 Compute runs in C++ with the GIL released; errors arrive as exceptions (ValueError for bad input).
+The C++ runtime checks every value; this module only converts them to their C types (an integer out
+of its C type's range is a ValueError here, never a wrap). A prompt is text (str or bytes, UTF-8: the
+runtime refuses anything else) or a list of token ids.
 """
 
 from __future__ import annotations
 
 import codecs
+import operator
 import os
 import queue
 import threading
@@ -20,6 +24,32 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .results import generation_json, plain_steps
+
+INT32 = (-2**31, 2**31 - 1)
+UINT64 = (0, 2**64 - 1)
+
+
+def c_int(name: str, value, bounds: tuple[int, int] = INT32) -> int:
+    """`value` as a C integer argument: an integer (not a float, not a bool) within its C type's range."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    v = operator.index(value)
+    if not bounds[0] <= v <= bounds[1]:
+        raise ValueError(f"{name} {v} is out of range [{bounds[0]}, {bounds[1]}]")
+    return v
+
+
+def text_bytes(text: str | bytes) -> bytes:
+    """The bytes of a prompt for the tokenizer. Undecodable bytes of a command line (surrogate escapes)
+    and lone surrogates stay as bytes, so that the runtime refuses them by name."""
+    if isinstance(text, (bytes, bytearray)):
+        return bytes(text)
+    if not isinstance(text, str):
+        raise TypeError(f"a prompt must be str, bytes or a list of token ids, got {type(text).__name__}")
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass")
 
 
 @dataclass
@@ -87,7 +117,9 @@ class Runtime:
                                "./setup.sh (or pip install --no-build-isolation -e .)") from e
 
         self._engine = _core.Engine(os.fspath(target), os.fspath(draft) if draft else "",
-                                    n_threads, n_ctx, n_batch, n_gpu_layers, kv_f32, n_seq, verbose)
+                                    c_int("n_threads", n_threads), c_int("n_ctx", n_ctx), c_int("n_batch", n_batch),
+                                    c_int("n_gpu_layers", n_gpu_layers), bool(kv_f32), c_int("n_seq", n_seq),
+                                    bool(verbose))
         self._core = _core
         self._lock = threading.Lock()  # one sequence at a time
 
@@ -125,14 +157,15 @@ class Runtime:
         return list(self._engine.target_layer_ids)
 
     # -- text ---------------------------------------------------------------------------------
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return list(self._engine.tokenize(text, add_special))
+    def tokenize(self, text: str | bytes, add_special: bool = True) -> list[int]:
+        """Token ids of UTF-8 text (str or bytes); ValueError names the first byte that is not UTF-8."""
+        return list(self._engine.tokenize(text_bytes(text), bool(add_special)))
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self._engine.detokenize(list(tokens)).decode("utf-8", errors="replace")
 
     # -- decoding -----------------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, *, temperature: float = 0.0,
+    def generate(self, prompt: str | bytes | Sequence[int], max_new_tokens: int = 128, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, block_size: int | None = None,
                  draft_max: int | None = None, stop_tokens: Sequence[int] = (), stop_at_eog: bool = True,
                  stream: bool = False) -> Generation | Stream:
@@ -143,7 +176,7 @@ class Runtime:
                               stop_tokens, stop_at_eog)
         return self._run(self._engine.generate, prompt, params, stream)
 
-    def autoregressive(self, prompt: str | Sequence[int], max_new_tokens: int = 128, *,
+    def autoregressive(self, prompt: str | bytes | Sequence[int], max_new_tokens: int = 128, *,
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                        stop_tokens: Sequence[int] = (), stop_at_eog: bool = True,
                        stream: bool = False) -> Generation | Stream:
@@ -152,7 +185,7 @@ class Runtime:
                               stop_tokens, stop_at_eog)
         return self._run(self._engine.autoregressive, prompt, params, stream)
 
-    def autoregressive_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 128, *,
+    def autoregressive_batch(self, prompts: Sequence[str | bytes | Sequence[int]], max_new_tokens: int = 128, *,
                              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                              stop_tokens: Sequence[int] = (), stop_at_eog: bool = True) -> list[Generation]:
         """Plain decoding of many prompts, `n_seq` at a time in one target decode (dataset building).
@@ -169,7 +202,7 @@ class Runtime:
 
         layer_ids are Hugging Face ids (hidden_states[id + 1]); default: the draft's target layers.
         """
-        ids = list(layer_ids) if layer_ids is not None else self.target_layer_ids
+        ids = [c_int("layer id", i) for i in layer_ids] if layer_ids is not None else self.target_layer_ids
         with self._lock:
             return self._engine.capture(self._check_tokens(tokens), ids)
 
@@ -179,7 +212,8 @@ class Runtime:
         verify computes them), or one token at a time after a batched prefill of `n_prefill`
         tokens (as autoregressive decoding computes them)."""
         with self._lock:
-            return self._engine.target_logits(self._check_tokens(tokens), one_at_a_time, int(n_prefill))
+            return self._engine.target_logits(self._check_tokens(tokens), bool(one_at_a_time),
+                                              c_int("n_prefill", n_prefill))
 
     def trace_draft(self, features: np.ndarray, block: Sequence[int]) -> dict[str, np.ndarray]:
         """Every named draft intermediate (float32, NumPy order) for context `features`
@@ -189,41 +223,36 @@ class Runtime:
         if feats.ndim != 2:
             raise ValueError(f"features must be 2-D [n_tokens, n_taps * n_embd], got shape {feats.shape}")
         with self._lock:
-            return dict(self._engine.trace_draft(feats, list(block)))
+            return dict(self._engine.trace_draft(feats, self._check_tokens(block)))
 
     # -- internals ----------------------------------------------------------------------------
     def _params(self, max_new_tokens, temperature, top_p, top_k, seed, block_size, draft_max,
                 stop_tokens, stop_at_eog):
-        """The C++ request; the runtime checks it (check_request and friends, ValueError here). Only
-        what C++ cannot see is checked here: a negative seed (its type is unsigned) and values that
-        would collide with the "unset" encodings (block size 0: the draft's, draft_max -1: the block)."""
+        """The C++ request, its values converted to their C types; the runtime checks them (check_request
+        and friends, ValueError here). None leaves block_size and draft_max to the draft."""
         p = self._core.GenerateParams()
-        p.max_new_tokens = int(max_new_tokens)
+        p.max_new_tokens = c_int("max_new_tokens", max_new_tokens)
         p.temperature = float(temperature)
         p.top_p = float(top_p)
-        p.top_k = int(top_k)
-        if seed < 0:
+        p.top_k = c_int("top_k", top_k)
+        if operator.index(seed) < 0:  # the C type is unsigned
             raise ValueError(f"seed must be >= 0, got {seed}")
-        p.seed = int(seed)
-        if block_size is not None and block_size < 1:
-            raise ValueError(f"block size must be at least 2, got {block_size}")
-        p.block_size = 0 if block_size is None else int(block_size)
-        if draft_max is not None and draft_max < 1:
-            raise ValueError(f"draft_max must be at least 1, got {draft_max}")
-        p.draft_max = -1 if draft_max is None else int(draft_max)
-        p.stop_tokens = [int(t) for t in stop_tokens]
+        p.seed = c_int("seed", seed, UINT64)
+        p.block_size = None if block_size is None else c_int("block_size", block_size)
+        p.draft_max = None if draft_max is None else c_int("draft_max", draft_max)
+        p.stop_tokens = [c_int("stop token", t) for t in stop_tokens]
         p.stop_at_eog = bool(stop_at_eog)
         return p
 
     def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
-        tokens = [int(t) for t in tokens]
+        tokens = [operator.index(t) for t in tokens]  # the vocabulary bounds them below 2**31
         bad = [t for t in tokens if not 0 <= t < self.n_vocab]
         if bad:
             raise ValueError(f"token {bad[0]} is outside the vocabulary of {self.n_vocab} tokens")
         return tokens
 
-    def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
+    def _prompt_tokens(self, prompt: str | bytes | Sequence[int]) -> list[int]:
+        if isinstance(prompt, (str, bytes, bytearray)):  # bytes are text, never token ids
             return self.tokenize(prompt)
         return self._check_tokens(prompt)
 
