@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Builds llama-dflash-cli with AddressSanitizer (our runtime instrumented, llama.cpp as usual) in
 # build/asan, then runs full generations of the tiny fixture pair: greedy, sampled, a stop token, a
-# full context. Exits non-zero on any ASan report. Needs ./setup.sh done first (for the fixtures).
+# full context. Then runs the fuzz corpus under it (parity/fuzz.py): FUZZ_MUTANTS (default 40) mutants
+# each of the draft and the target GGUF, seed FUZZ_SEED (default 0), with no address-space limit (ASan
+# reserves terabytes of it) and a 60 s timeout; failing mutants are kept in build/asan/fuzz-findings,
+# each with a repro.txt. Exits non-zero on any ASan or LeakSanitizer report, signal, hang or wrong
+# output. Needs ./setup.sh done first (for the fixtures).
 #
-#   runtime/asan_check.sh
+#   runtime/asan_check.sh                     # the generations, then 2 x 40 mutants
+#   FUZZ_MUTANTS=0 runtime/asan_check.sh      # the generations only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=build/asan
@@ -31,3 +36,11 @@ run -p "Once upon a time" -n 64 --block-size 16 --draft-max 3
 run -p "import numpy as np" -n 200 -c 48 -b 16
 run -p "hello" -n 32 --no-draft
 echo "AddressSanitizer: no errors in 5 generations"
+mutants=${FUZZ_MUTANTS:-40}
+if [ "$mutants" -gt 0 ]; then
+  # the campaign's own corpus cache (the same tiny pair), in the ASan build folder
+  .venv/bin/python -m dflash_llama.parity.fuzz --cli "$cli" --target draft --target target \
+      --per-target "$mutants" --seed "${FUZZ_SEED:-0}" --as-limit-gib 0 --timeout 60 -j 2 \
+      --work "$build/fuzz-corpus" --out "$build/fuzz-findings" --no-progress
+  echo "AddressSanitizer: no errors in the fuzz corpus"
+fi
