@@ -1,5 +1,7 @@
 #include "draft_model.h"
 
+#include "gguf_info.h"
+
 #include "gguf.h"
 #include "llama.h"
 
@@ -17,161 +19,102 @@ namespace {
     throw std::invalid_argument(path + ": " + reason);
 }
 
-// Typed access to one GGUF's key-values, with errors that name the file and the key.
-struct gguf_keys {
-    const gguf_context * ctx;
-    const std::string &  path;
-
-    int64_t find(const std::string & key) const { return gguf_find_key(ctx, key.c_str()); }
-
-    int64_t require(const std::string & key) const {
-        const int64_t id = find(key);
-        if (id < 0) {
-            fail(path, "missing key '" + key + "' (is this a DFlash draft GGUF?)");
-        }
-        return id;
-    }
-
-    int64_t get_int(const std::string & key, int64_t id) const {
-        switch (gguf_get_kv_type(ctx, id)) {
-            case GGUF_TYPE_UINT8:  return gguf_get_val_u8 (ctx, id);
-            case GGUF_TYPE_INT8:   return gguf_get_val_i8 (ctx, id);
-            case GGUF_TYPE_UINT16: return gguf_get_val_u16(ctx, id);
-            case GGUF_TYPE_INT16:  return gguf_get_val_i16(ctx, id);
-            case GGUF_TYPE_UINT32: return gguf_get_val_u32(ctx, id);
-            case GGUF_TYPE_INT32:  return gguf_get_val_i32(ctx, id);
-            case GGUF_TYPE_UINT64: return (int64_t) gguf_get_val_u64(ctx, id);
-            case GGUF_TYPE_INT64:  return gguf_get_val_i64(ctx, id);
-            default: fail(path, "key '" + key + "' is not an integer");
-        }
-    }
-
-    int32_t u32(const std::string & key) const { return (int32_t) get_int(key, require(key)); }
-
-    int32_t u32_or(const std::string & key, int32_t fallback) const {
-        const int64_t id = find(key);
-        return id < 0 ? fallback : (int32_t) get_int(key, id);
-    }
-
-    float f32_or(const std::string & key, float fallback) const {
-        const int64_t id = find(key);
-        if (id < 0) {
-            return fallback;
-        }
-        switch (gguf_get_kv_type(ctx, id)) {
-            case GGUF_TYPE_FLOAT32: return gguf_get_val_f32(ctx, id);
-            case GGUF_TYPE_FLOAT64: return (float) gguf_get_val_f64(ctx, id);
-            default: return (float) get_int(key, id);
-        }
-    }
-
-    float f32(const std::string & key) const {
-        require(key);
-        return f32_or(key, 0.0f);
-    }
-
-    std::vector<int64_t> int_array(const std::string & key) const {
-        const int64_t id = require(key);
-        if (gguf_get_kv_type(ctx, id) != GGUF_TYPE_ARRAY) {
-            fail(path, "key '" + key + "' is not an array");
-        }
-        const size_t n = gguf_get_arr_n(ctx, id);
-        const void * data = gguf_get_arr_data(ctx, id);
-        std::vector<int64_t> out(n);
-        for (size_t i = 0; i < n; ++i) {
-            switch (gguf_get_arr_type(ctx, id)) {
-                case GGUF_TYPE_INT32:  out[i] = ((const int32_t  *) data)[i]; break;
-                case GGUF_TYPE_UINT32: out[i] = ((const uint32_t *) data)[i]; break;
-                case GGUF_TYPE_INT64:  out[i] = ((const int64_t  *) data)[i]; break;
-                case GGUF_TYPE_UINT64: out[i] = (int64_t) ((const uint64_t *) data)[i]; break;
-                case GGUF_TYPE_BOOL:   out[i] = ((const int8_t   *) data)[i] != 0; break;
-                case GGUF_TYPE_INT8:   out[i] = ((const int8_t   *) data)[i]; break;
-                case GGUF_TYPE_UINT8:  out[i] = ((const uint8_t  *) data)[i]; break;
-                default: fail(path, "key '" + key + "' is not an integer array");
-            }
-        }
-        return out;
-    }
-};
+// Bounds on every count before anything is sized from it (LLAMA_MAX_LAYERS for the depth).
+constexpr int64_t MAX_LAYERS = 512, MAX_EMBD = 65536, MAX_HEADS = 1024, MAX_HEAD_DIM = 1024,
+                  MAX_FF = 1 << 20, MAX_BLOCK = 1024;
 
 // The refusal list of dflash_llama/schema.py (REFUSALS): keys the pinned llama.cpp reads and this
 // runtime does not implement. tests/test_schema.py holds the two lists to the same entries.
-void refuse_unsupported(const gguf_context * ctx, const gguf_keys & kv, const std::string & path) {
+void refuse_unsupported(const gguf_keys & kv, const std::string & path) {
     for (const char * key : { "dflash.conv_kernel_size", "dflash.conv_group_size", "dflash.selector_rank",
                               "dflash.selector_top_k" }) {
-        if (kv.find(key) >= 0) {
+        if (kv.has(key)) {
             fail(path, std::string("'") + key + "': DFlash2 drafts (convolutions + candidate selector) are not supported yet");
         }
     }
     for (const char * key : { "dflash.attention.value_scale", "dflash.attention.scale", "dflash.rope.dimension_sections",
                               "dflash.has_confidence_head", "dflash.hyper_connection.count" }) {
-        if (kv.find(key) >= 0) {
+        if (kv.has(key)) {
             fail(path, std::string("'") + key + "' is not supported by this runtime yet");
         }
     }
-    const int64_t act_id = kv.find("dflash.hidden_activation");
-    if (act_id >= 0 && (gguf_get_kv_type(ctx, act_id) != GGUF_TYPE_STRING ||
-                        std::string(gguf_get_val_str(ctx, act_id)) != "silu")) {
-        if (gguf_get_kv_type(ctx, act_id) != GGUF_TYPE_STRING) {
-            fail(path, "'dflash.hidden_activation' is not a string");
-        }
-        fail(path, std::string("'dflash.hidden_activation' is '") + gguf_get_val_str(ctx, act_id) +
-                   "': only silu FFNs are supported");
+    const std::string act = kv.string_or("dflash.hidden_activation", "silu");
+    if (act != "silu") {
+        fail(path, "'dflash.hidden_activation' is '" + display_string(act) + "': only silu FFNs are supported");
     }
-    const int64_t anchor_id = kv.find("dflash.sample_from_anchor");
-    if (anchor_id >= 0 && (gguf_get_kv_type(ctx, anchor_id) != GGUF_TYPE_BOOL || gguf_get_val_bool(ctx, anchor_id))) {
+    if (kv.boolean_or("dflash.sample_from_anchor", false)) {
         fail(path, "'dflash.sample_from_anchor' is true: DSpark drafts are not supported yet");
     }
+}
+
+// Sizes: every count bounded before anything is allocated from it.
+void read_sizes(const gguf_keys & kv, draft_hparams & hp) {
+    hp.n_embd    = (int32_t) kv.integer("dflash.embedding_length", 1, MAX_EMBD);
+    hp.n_layer   = (int32_t) kv.integer("dflash.block_count", 1, MAX_LAYERS);
+    hp.n_head    = (int32_t) kv.integer("dflash.attention.head_count", 1, MAX_HEADS);
+    hp.n_head_kv = (int32_t) kv.integer_or("dflash.attention.head_count_kv", hp.n_head, 1, hp.n_head);
+    if (hp.n_head % hp.n_head_kv != 0) {
+        kv.fail("dflash.attention.head_count_kv", std::to_string(hp.n_head_kv),
+                "a divisor of dflash.attention.head_count (" + std::to_string(hp.n_head) + ")");
+    }
+    const int64_t head_dim_default = hp.n_embd / hp.n_head;
+    hp.head_dim  = (int32_t) kv.integer_or("dflash.attention.key_length", head_dim_default, 1, MAX_HEAD_DIM);
+    if (hp.head_dim < 1) {
+        kv.fail("dflash.attention.head_count", std::to_string(hp.n_head),
+                "at most dflash.embedding_length (" + std::to_string(hp.n_embd) + ") without a key_length");
+    }
+    for (const char * key : { "dflash.attention.value_length", "dflash.rope.dimension_count" }) {
+        if (kv.integer_or(key, hp.head_dim, 1, MAX_HEAD_DIM) != hp.head_dim) {
+            fail(kv.path(), std::string("'") + key + "' different from key_length is not supported yet");
+        }
+    }
+    hp.n_ff       = (int32_t) kv.integer("dflash.feed_forward_length", 1, MAX_FF);
+    hp.block_size = (int32_t) kv.integer_or("dflash.block_size", 16, 2, MAX_BLOCK);
+    if (kv.has("tokenizer.ggml.tokens")) {
+        const size_t n = kv.n_strings("tokenizer.ggml.tokens");
+        if (n > (size_t) INT32_MAX) {
+            kv.fail("tokenizer.ggml.tokens", std::to_string(n) + " tokens", "at most 2^31 - 1");
+        }
+        hp.n_vocab = (int32_t) n;
+    }
+}
+
+// RoPE, norms and scales: types checked, floats finite and in range.
+void read_scalars(const gguf_keys & kv, draft_hparams & hp) {
+    constexpr double big = 1e30;
+    hp.rope_freq_base = (float) kv.number_or("dflash.rope.freq_base", 10000.0, 1e-30, big);
+    const std::string scaling = kv.string_or("dflash.rope.scaling.type", "none");
+    if (scaling == "linear") {
+        hp.rope_freq_scale = (float) (1.0 / kv.number_or("dflash.rope.scaling.factor", 1.0, 1e-6, 1e6));
+    } else if (scaling != "none") {
+        fail(kv.path(), "'dflash.rope.scaling.type' is '" + display_string(scaling) +
+                        "': only none and linear RoPE scaling are supported");
+    }
+    hp.rms_eps         = (float) kv.number("dflash.attention.layer_norm_rms_epsilon", 0.0, 1.0);
+    hp.embedding_scale = (float) kv.number_or("dflash.embedding_scale", 1.0, -big, big);
+    hp.logit_scale     = (float) kv.number_or("dflash.logit_scale", 1.0, -big, big);
+    hp.logit_softcap   = (float) kv.number_or("dflash.final_logit_softcapping", 0.0, 0.0, big);
+    hp.causal = kv.has("dflash.attention.causal") ? (kv.boolean_or("dflash.attention.causal", false) ? 1 : 0) : -1;
 }
 
 draft_hparams read_hparams(const gguf_context * ctx, const std::string & path) {
     const gguf_keys kv{ctx, path};
 
-    const int64_t arch_id = kv.find("general.architecture");
-    const std::string arch = arch_id >= 0 ? gguf_get_val_str(ctx, arch_id) : "";
+    const std::string arch = kv.string_or("general.architecture", "");
     if (arch != "dflash") {
-        fail(path, "general.architecture is '" + arch + "', expected 'dflash' (a DFlash draft GGUF)");
+        fail(path, "general.architecture is '" + display_string(arch) + "', expected 'dflash' (a DFlash draft GGUF)");
     }
-    refuse_unsupported(ctx, kv, path);
+    refuse_unsupported(kv, path);
 
     draft_hparams hp;
-    hp.n_embd      = kv.u32("dflash.embedding_length");
-    hp.n_layer     = kv.u32("dflash.block_count");
-    hp.n_head      = kv.u32("dflash.attention.head_count");
-    hp.n_head_kv   = kv.u32_or("dflash.attention.head_count_kv", hp.n_head);
-    hp.head_dim    = kv.u32_or("dflash.attention.key_length", hp.n_head > 0 ? hp.n_embd / hp.n_head : 0);
-    for (const char * key : { "dflash.attention.value_length", "dflash.rope.dimension_count" }) {
-        if (kv.u32_or(key, hp.head_dim) != hp.head_dim) {
-            fail(path, std::string("'") + key + "' different from key_length is not supported yet");
-        }
-    }
-    hp.n_ff        = kv.u32("dflash.feed_forward_length");
-    hp.block_size  = kv.u32_or("dflash.block_size", 16);
-    hp.rope_freq_base  = kv.f32_or("dflash.rope.freq_base", 10000.0f);
-    const int64_t scaling_id = kv.find("dflash.rope.scaling.type");
-    const std::string scaling = scaling_id >= 0 ? gguf_get_val_str(ctx, scaling_id) : "none";
-    if (scaling == "linear") {
-        const float factor = kv.f32_or("dflash.rope.scaling.factor", 1.0f);
-        if (!(factor > 0.0f)) {
-            fail(path, "dflash.rope.scaling.factor must be > 0, got " + std::to_string(factor));
-        }
-        hp.rope_freq_scale = 1.0f / factor;
-    } else if (scaling != "none") {
-        fail(path, "'dflash.rope.scaling.type' is '" + scaling + "': only none and linear RoPE scaling are supported");
-    }
-    hp.rms_eps         = kv.f32("dflash.attention.layer_norm_rms_epsilon");
-    hp.embedding_scale = kv.f32_or("dflash.embedding_scale", 1.0f);
-    hp.logit_scale     = kv.f32_or("dflash.logit_scale", 1.0f);
-    hp.logit_softcap   = kv.f32_or("dflash.final_logit_softcapping", 0.0f);
+    read_sizes(kv, hp);
+    read_scalars(kv, hp);
 
-    const int64_t causal_id = kv.find("dflash.attention.causal");
-    hp.causal = causal_id < 0 ? -1 : (gguf_get_val_bool(ctx, causal_id) ? 1 : 0);
-
-    hp.sliding_window = kv.u32_or("dflash.attention.sliding_window", 0);
+    hp.sliding_window = (int32_t) kv.integer_or("dflash.attention.sliding_window", 0, 0, INT32_MAX);
     hp.swa_layers.assign(hp.n_layer, false);
     if (hp.sliding_window > 0) {
         // llama.cpp requires the pattern with a window
-        const auto pattern = kv.int_array("dflash.attention.sliding_window_pattern");
+        const auto pattern = kv.integers("dflash.attention.sliding_window_pattern", MAX_LAYERS, 0, 1);
         if ((int32_t) pattern.size() != hp.n_layer) {
             fail(path, "'dflash.attention.sliding_window_pattern' has " + std::to_string(pattern.size()) +
                        " entries for " + std::to_string(hp.n_layer) + " layers");
@@ -181,34 +124,21 @@ draft_hparams read_hparams(const gguf_context * ctx, const std::string & path) {
         }
     }
 
-    if (kv.find("dflash.target_layers") < 0) {
-        fail(path, "missing key 'dflash.target_layers' (the target layers the draft reads); "
-                   "convert the draft with `dflash-llama convert`, which writes the default ids");
+    if (!kv.has("dflash.target_layers")) {
+        kv.missing("dflash.target_layers", "the target layers the draft reads; convert the draft with "
+                                           "`dflash-llama convert`, which writes the default ids");
     }
-    for (const int64_t id : kv.int_array("dflash.target_layers")) {
+    for (const int64_t id : kv.integers("dflash.target_layers", MAX_LAYERS, 0, MAX_LAYERS)) {
         hp.target_layer_ids.push_back((int32_t) id - 1);  // the GGUF stores "input of layer id+1"
-    }
-
-    const int64_t mask_id = kv.find("tokenizer.ggml.mask_token_id");
-    if (mask_id < 0) {
-        fail(path, "missing key 'tokenizer.ggml.mask_token_id' (the draft's MASK token)");
-    }
-    hp.mask_token_id = (int32_t) kv.get_int("tokenizer.ggml.mask_token_id", mask_id);
-
-    const int64_t tokens_id = kv.find("tokenizer.ggml.tokens");
-    hp.n_vocab = tokens_id < 0 ? 0 : (int32_t) gguf_get_arr_n(ctx, tokens_id);
-
-    if (hp.n_embd <= 0 || hp.n_layer <= 0 || hp.n_head <= 0 || hp.n_head_kv <= 0 || hp.head_dim <= 0 ||
-        hp.n_ff <= 0 || hp.n_head % hp.n_head_kv != 0) {
-        fail(path, "inconsistent hyper-parameters (n_embd " + std::to_string(hp.n_embd) + ", n_head " +
-                   std::to_string(hp.n_head) + ", n_head_kv " + std::to_string(hp.n_head_kv) + ")");
-    }
-    if (hp.block_size < 2) {
-        fail(path, "dflash.block_size is " + std::to_string(hp.block_size) + ", must be at least 2");
     }
     if (hp.target_layer_ids.empty()) {
         fail(path, "dflash.target_layers is empty");
     }
+
+    if (!kv.has("tokenizer.ggml.mask_token_id")) {
+        kv.missing("tokenizer.ggml.mask_token_id", "the draft's MASK token");
+    }
+    hp.mask_token_id = (int32_t) kv.integer("tokenizer.ggml.mask_token_id", 0, INT32_MAX);
     return hp;
 }
 
@@ -220,7 +150,7 @@ void refuse_unknown_tensors(const gguf_context * ctx, int32_t n_layer, const std
         "attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight", "ffn_norm.weight", "ffn_gate.weight",
         "ffn_up.weight", "ffn_down.weight" };
     for (int64_t i = 0; i < gguf_get_n_tensors(ctx); ++i) {
-        const std::string name = gguf_get_tensor_name(ctx, i);
+        const std::string name = display_string(gguf_get_tensor_name(ctx, i), 200);
         if (name == "token_embd.weight" || name == "output.weight") {
             fail(path, "tensor '" + name + "': the runtime uses the target's embeddings and head; "
                        "a draft with its own is not supported by this runtime");
@@ -279,6 +209,13 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
             }
             ++i;
         }
+        for (; i < GGML_MAX_DIMS; ++i) {
+            if (t->ne[i] != 1) {
+                fail(path, "tensor '" + name + "' has ne[" + std::to_string(i) + "] = " + std::to_string(t->ne[i]) +
+                           ", expected " + std::to_string(shape.size()) + " dimensions");
+            }
+        }
+        check_tensor_type(path, name, (int) t->type, shape.size() == 1 ? tensor_role::norm : tensor_role::matrix);
         return t;
     };
     refuse_unknown_tensors(gguf.get(), hp.n_layer, path);
@@ -303,6 +240,19 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
         l.ffn_down    = tensor(p + "ffn_down.weight",    { hp.n_ff, n_embd });
     }
 
+    // every tensor's bytes must lie inside the file before any buffer is sized from the header
+    const uint64_t file_size = std::filesystem::file_size(path, ec);
+    const size_t data_offset = gguf_get_data_offset(gguf.get());
+    for (int64_t i = 0; i < gguf_get_n_tensors(gguf.get()); ++i) {
+        const char * name = gguf_get_tensor_name(gguf.get(), i);
+        const uint64_t offset = data_offset + gguf_get_tensor_offset(gguf.get(), i);
+        const uint64_t nbytes = ggml_nbytes(ggml_get_tensor(meta, name));
+        if (offset > file_size || nbytes > file_size - offset) {
+            fail(path, "truncated: tensor '" + display_string(name) + "' ends at byte " + std::to_string(offset + nbytes) +
+                       " but the file has " + std::to_string(file_size));
+        }
+    }
+
     // read every tensor's bytes from the file into one backend buffer
     draft.buf = ggml_backend_alloc_ctx_tensors_from_buft(meta, buft);
     if (draft.buf == nullptr) {
@@ -314,21 +264,15 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
     if (!f) {
         fail(path, "cannot open for reading");
     }
-    const uint64_t file_size = std::filesystem::file_size(path, ec);
-    const size_t data_offset = gguf_get_data_offset(gguf.get());
     std::vector<uint8_t> staging;
     for (int64_t i = 0; i < gguf_get_n_tensors(gguf.get()); ++i) {
         const char * name = gguf_get_tensor_name(gguf.get(), i);
         ggml_tensor * t = ggml_get_tensor(meta, name);
         const size_t offset = data_offset + gguf_get_tensor_offset(gguf.get(), i);
         const size_t nbytes = ggml_nbytes(t);
-        if (offset + nbytes > file_size) {
-            fail(path, std::string("truncated: tensor '") + name + "' ends at byte " + std::to_string(offset + nbytes) +
-                       " but the file has " + std::to_string(file_size));
-        }
         staging.resize(nbytes);
         if (std::fseek(f.get(), (long) offset, SEEK_SET) != 0 || std::fread(staging.data(), 1, nbytes, f.get()) != nbytes) {
-            fail(path, std::string("cannot read tensor '") + name + "'");
+            fail(path, std::string("cannot read tensor '") + display_string(name) + "'");
         }
         ggml_backend_tensor_set(t, staging.data(), 0, nbytes);
     }

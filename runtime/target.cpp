@@ -1,6 +1,7 @@
 #include "target.h"
 
 #include "log.h"
+#include "target_check.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -61,6 +62,7 @@ target_runner::target_runner(const target_params & params) {
         throw std::invalid_argument("n_ctx * n_seq must be at most " + std::to_string(INT32_MAX) + ", got " +
                                     std::to_string((int64_t) params.n_ctx * params.n_seq));
     }
+    check_target_gguf(params.path);  // llama.cpp asserts on some bad values: refuse them here first
     clear_last_error();
 
     llama_model_params mparams = llama_model_default_params();
@@ -70,6 +72,12 @@ target_runner::target_runner(const target_params & params) {
         const std::string why = last_error();
         throw std::invalid_argument(params.path + ": llama.cpp could not load the target model" +
                                     (why.empty() ? std::string() : " (" + why + ")"));
+    }
+    try {
+        check_target_causal(model_, params.path);
+    } catch (...) {
+        llama_model_free(model_);
+        throw;
     }
     vocab_   = llama_model_get_vocab(model_);
     n_embd_  = llama_model_n_embd(model_);
