@@ -2,11 +2,15 @@
 // around compute, C++ exceptions surfacing as Python exceptions (std::invalid_argument -> ValueError).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/filesystem.h>
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <stdexcept>
 
 #include "engine.h"
 #include "gguf_info.h"
@@ -19,11 +23,12 @@ namespace dflash_bindings {
 
 namespace {
 
-nb::dict gguf_info_dict(const std::string & path) {
+// Paths arrive as std::filesystem::path: the OS's bytes, so a file name that is not UTF-8 still opens.
+nb::dict gguf_info_dict(const std::filesystem::path & path) {
     dflash::gguf_file_info info;
     {
         nb::gil_scoped_release release;
-        info = dflash::read_gguf_info(path);
+        info = dflash::read_gguf_info(path.string());
     }
     nb::dict metadata;
     for (const auto & kv : info.metadata) {
@@ -34,7 +39,7 @@ nb::dict gguf_info_dict(const std::string & path) {
         tensors.append(nb::make_tuple(t.name, t.shape, t.type, t.offset, t.nbytes));
     }
     nb::dict out;
-    out["path"]         = info.path;
+    out["path"]         = nb::steal<nb::str>(PyUnicode_DecodeFSDefaultAndSize(info.path.data(), (Py_ssize_t) info.path.size()));
     out["architecture"] = info.architecture;
     out["version"]      = info.version;
     out["alignment"]    = info.alignment;
@@ -44,7 +49,25 @@ nb::dict gguf_info_dict(const std::string & path) {
     return out;
 }
 
+// A message that holds bytes which are not UTF-8 (a file name) keeps them as \xNN, not a UnicodeDecodeError.
+void set_error(PyObject * type, const char * what) {
+    PyObject * message = PyUnicode_DecodeUTF8(what, (Py_ssize_t) std::strlen(what), "backslashreplace");
+    PyErr_SetObject(type, message);
+    Py_XDECREF(message);
+}
+
+void translate_errors(const std::exception_ptr & p, void *) {
+    try {
+        std::rethrow_exception(p);
+    } catch (const std::invalid_argument & e) {
+        set_error(PyExc_ValueError, e.what());
+    } catch (const std::runtime_error & e) {
+        set_error(PyExc_RuntimeError, e.what());
+    }
+}
+
 void bind_functions(nb::module_ & m) {
+    nb::register_exception_translator(&translate_errors);
     m.def("llama_cpp_commit", []() { return std::string(DFLASH_LLAMA_CPP_COMMIT); },
           "The llama.cpp commit this module was built from.");
     m.def("gguf_info", &gguf_info_dict, "path"_a,
@@ -101,17 +124,17 @@ void bind_generate_result(nb::module_ & m) {
         .def_prop_ro("acceptance_by_position", &generate_result::acceptance_by_position);
 }
 
-void engine_init(dflash::engine * self, const std::string & target, const std::string & draft, int32_t n_threads,
+void engine_init(dflash::engine * self, const std::filesystem::path & target, const std::filesystem::path & draft, int32_t n_threads,
                  int32_t n_ctx, int32_t n_batch, int32_t n_gpu_layers, bool kv_f32, int32_t n_seq, bool verbose) {
     dflash::engine_params p;
-    p.target.path = target;
+    p.target.path = target.string();
     p.target.n_threads = n_threads;
     p.target.n_ctx = n_ctx;
     p.target.n_batch = n_batch;
     p.target.n_gpu_layers = n_gpu_layers;
     p.target.kv_f32 = kv_f32;
     p.target.n_seq = n_seq;
-    p.draft_path = draft;
+    p.draft_path = draft.string();
     p.verbose = verbose;
     nb::gil_scoped_release release;
     new (self) dflash::engine(p);

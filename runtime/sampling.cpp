@@ -20,8 +20,11 @@ std::string show(float v) {
 } // namespace
 
 void check_sampling_params(const sampling_params & params) {
-    if (!(params.temperature >= 0.0f && std::isfinite(params.temperature))) {
-        throw std::invalid_argument("temperature must be a finite number >= 0, got " + show(params.temperature));
+    if (!std::isfinite(params.temperature)) {
+        throw std::invalid_argument("temperature must be finite, got " + show(params.temperature));
+    }
+    if (params.temperature < 0.0f) {
+        throw std::invalid_argument("temperature must be >= 0, got " + show(params.temperature));
     }
     if (!(params.top_p > 0.0f && params.top_p <= 1.0f)) {
         throw std::invalid_argument("top_p must be in (0, 1], got " + show(params.top_p));

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .cli_args import EXIT_CODES, INPUT_ERRORS, RUNTIME_ERRORS, report_error
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(modules[args.command].main(args) or 0)
     except INPUT_ERRORS + RUNTIME_ERRORS as e:
+        return report_error(args.command, e)
+    except Exception as e:  # a defect of ours: still one line (DFLASH_LLAMA_TRACEBACK=1 shows where)
+        if os.environ.get("DFLASH_LLAMA_TRACEBACK"):
+            raise
         return report_error(args.command, e)
     except KeyboardInterrupt:
         print(f"dflash-llama {args.command}: interrupted", file=sys.stderr)

@@ -80,5 +80,7 @@ def threads(n: int) -> int:
 def report_error(command: str, e: BaseException) -> int:
     """Print `dflash-llama <command>: error: ...` on one line and return the exit code for `e`."""
     message = " ".join(str(e).split()) or type(e).__name__
+    if not isinstance(e, INPUT_ERRORS + RUNTIME_ERRORS):  # unexpected: the type says what went wrong
+        message = f"{type(e).__name__}: {message}"
     print(f"dflash-llama {command}: error: {message}", file=sys.stderr)
     return EXIT_USAGE if isinstance(e, INPUT_ERRORS) else EXIT_RUNTIME

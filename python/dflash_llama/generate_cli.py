@@ -80,15 +80,17 @@ def _run_reference(req: GenerateRequest) -> dict:
     from transformers.utils import logging as hf_logging
 
     from .reference import Sampling, Target, generate_autoregressive, generate_speculative, load_draft_for_target
+    from .runtime import utf8_text
 
     sampling = Sampling(req.temperature, req.top_p, req.top_k, req.seed)  # checks them, before any loading
+    prompt_text = None if req.prompt_text is None else utf8_text(req.prompt_text)
     torch.manual_seed(req.seed)
     hf_logging.disable_progress_bar()
     target = Target.load(req.target)
     if req.prompt_ids is not None:
         prompt_ids = req.prompt_ids
     else:
-        prompt_ids = target.tokenizer(req.prompt_text)["input_ids"]
+        prompt_ids = target.tokenizer(prompt_text)["input_ids"]
     stop = [] if req.ignore_eos else target.eos_token_ids
     if req.draft is None:
         result = generate_autoregressive(target, prompt_ids, req.max_tokens, sampling=sampling,

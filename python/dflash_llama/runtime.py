@@ -52,6 +52,15 @@ def text_bytes(text: str | bytes) -> bytes:
         return text.encode("utf-8", "surrogatepass")
 
 
+def utf8_text(text: str | bytes) -> str:
+    """A prompt as str for a Python tokenizer, refused as the C++ runtime refuses it when not UTF-8."""
+    data = text_bytes(text)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the prompt is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
 @dataclass
 class Step:
     drafted: list[int]  # drafted tokens the target verified
