@@ -39,6 +39,7 @@ NATIVE_OUTTYPES = {
 QUANTIZE_OUTTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l",
                      "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs")
 OUTTYPES = ("auto", *NATIVE_OUTTYPES, *QUANTIZE_OUTTYPES)
+MAX_TENSOR_NAME = 256  # DFlash tensor names are < 64 characters; a longer one is unexpected, not parsed
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ def convert(draft_dir: str | os.PathLike, target: str | os.PathLike, out: str | 
     out = Path(out)
     if not out.parent.is_dir():
         raise ConversionError(f"output directory {out.parent} does not exist")
+    if out.is_dir():
+        raise ConversionError(f"output {out} is a directory: name the GGUF file to write")
     plan = make_plan(Path(draft_dir), target)
     if outtype == "auto":
         outtype = _guess_outtype(plan)
@@ -128,7 +131,7 @@ def _map_tensors(cfg: DraftHParams, tensors: dict[str, SourceTensor], dims: dict
                  draft_dir: Path) -> list[tuple[str, SourceTensor]]:
     mapped = []
     for hf_name, src in tensors.items():
-        hit = L.gguf_tensor_name(hf_name)
+        hit = L.gguf_tensor_name(hf_name) if len(hf_name) <= MAX_TENSOR_NAME else None
         if hit is None:
             raise ConversionError(f"{draft_dir}: unexpected tensor {hf_name!r}: not part of a DFlash 1 draft")
         name, spec = hit
@@ -184,10 +187,14 @@ def write_gguf(plan: Plan, path: Path, outtype: str) -> None:
     writer.add_key_value(L.GENERAL_TYPE, "model", L.STR)
     # general.name, size_label, license...: gguf-py's model-card reader, as the pinned converter
     n_params = sum(math.prod(src.shape) for _, src in plan.tensors)
-    card = gguf.Metadata.load(None, plan.draft_dir.resolve(), None, n_params)
-    card.name = card.name or plan.draft_dir.resolve().name
-    card.size_label = card.size_label or gguf.size_label(n_params, 0, 0, 0)
-    card.set_gguf_meta_model(writer)
+    try:  # gguf-py reads README.md, config.json and generation_config.json its own way
+        card = gguf.Metadata.load(None, plan.draft_dir.resolve(), None, n_params)
+        card.name = card.name or plan.draft_dir.resolve().name
+        card.size_label = card.size_label or gguf.size_label(n_params, 0, 0, 0)
+        card.set_gguf_meta_model(writer)
+    except Exception as e:  # yaml, JSON, a wrong type in the model card: any of gguf-py's errors
+        raise ConversionError(f"{plan.draft_dir}: unreadable model card (README.md, config.json or "
+                              f"generation_config.json, read by gguf-py): {type(e).__name__}: {e}") from e
     for key, value in plan.config.to_gguf_kv(int(file_type), mrope=plan.target.uses_mrope):  # the pinned order
         _add(writer, key, value)
     for f in tokenizer:
@@ -220,19 +227,23 @@ class _atomic:
         self.final = final
 
     def __enter__(self) -> Path:
-        fd, name = tempfile.mkstemp(dir=self.final.parent, prefix=f".{self.final.name}.", suffix=".tmp")
+        try:
+            fd, name = tempfile.mkstemp(dir=self.final.parent, prefix=f".{self.final.name}.", suffix=".tmp")
+        except OSError as e:
+            raise ConversionError(f"cannot write in {self.final.parent}: {e.strerror or e}") from e
         os.close(fd)
         self.tmp = Path(name)
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None and self.tmp.exists():
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(self.tmp, 0o666 & ~umask)  # mkstemp makes it private; give it a normal file's mode
-            os.replace(self.tmp, self.final)
-        else:
-            self.tmp.unlink(missing_ok=True)
+        try:
+            if exc_type is None and self.tmp.exists():
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(self.tmp, 0o666 & ~umask)  # mkstemp makes it private; give it a normal file's mode
+                os.replace(self.tmp, self.final)
+        finally:
+            self.tmp.unlink(missing_ok=True)  # gone already when renamed
 
 
 def _llama_quantize(src: Path, dst: Path, outtype: str) -> None:

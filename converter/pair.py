@@ -56,10 +56,15 @@ def resolve_draft(draft: str | os.PathLike, target: str | os.PathLike, outtype: 
 def _key(draft: Path, target: Path, outtype: str) -> str:
     """The cache key: the draft's files, the target (path, size, modification time) and the type."""
     h = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
+    names = ["config.json", "model.safetensors.index.json"] + sorted(
+        p.name for p in draft.glob("model*.safetensors"))  # every shard of a sharded draft
+    for name in names:
         f = draft / name
-        if f.exists():
-            h.update(f.read_bytes())
+        if f.is_file():
+            h.update(name.encode())
+            with open(f, "rb") as data:  # in pieces: a draft may be larger than memory
+                while chunk := data.read(1 << 24):
+                    h.update(chunk)
     st = target.stat() if target.exists() else None
     h.update(f"{target.resolve()}|{st and st.st_size}|{st and st.st_mtime_ns}|{outtype}".encode())
     return h.hexdigest()[:12]

@@ -6,7 +6,6 @@ its tokenizer is built by the pinned llama.cpp converter, see `tokenizer_fields`
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from gguf import GGUFReader, GGUFValueType
 
 from dflash_llama import schema as L
 
-from .checkpoint import ConversionError
+from .checkpoint import ConversionError, read_json
 
 
 @dataclass(frozen=True)
@@ -78,49 +77,71 @@ def _field(reader: GGUFReader, key: str, path: Path) -> Any:
     return field.contents()
 
 
+def _int_field(reader: GGUFReader, key: str, path: Path, lo: int, hi: int, default: int | None = None) -> int:
+    """An integer key of the target GGUF, in lo..hi."""
+    if default is not None and reader.get_field(key) is None:
+        return default
+    v = _field(reader, key, path)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ConversionError(f"target {path}: {key} = {str(v)[:60]!r}: expected an integer in {lo}..{hi}")
+    return v
+
+
 def _read_gguf(path: Path) -> TargetInfo:
     reader = _open_gguf(path)
     arch = _field(reader, "general.architecture", path)
-    n_layer = int(_field(reader, f"{arch}.block_count", path))
-    nextn = reader.get_field(f"{arch}.nextn_predict_layers")  # MTP layers count in block_count
-    if nextn is not None:
-        n_layer -= int(nextn.contents())
+    if not isinstance(arch, str) or not arch:
+        raise ConversionError(f"target {path}: general.architecture = {str(arch)[:60]!r}: expected a name")
+    n_layer = _int_field(reader, f"{arch}.block_count", path, *L.HF_INTEGERS["num_hidden_layers"])
+    # MTP layers count in block_count
+    n_layer -= _int_field(reader, f"{arch}.nextn_predict_layers", path, 0, n_layer - 1, default=0)
     sections = reader.get_field(f"{arch}.rope.dimension_sections")
+    sections = [] if sections is None else sections.contents()
+    if not isinstance(sections, list) or not all(isinstance(s, int) for s in sections):
+        raise ConversionError(f"target {path}: {arch}.rope.dimension_sections must be an array of integers")
     tokens = reader.get_field("tokenizer.ggml.tokens")
     if tokens is None:
         raise ConversionError(f"target {path}: GGUF has no tokenizer (tokenizer.ggml.tokens)")
+    if tokens.types[:2] != [GGUFValueType.ARRAY, GGUFValueType.STRING]:
+        raise ConversionError(f"target {path}: tokenizer.ggml.tokens must be an array of strings")
     return TargetInfo(
         path=path,
         kind="gguf",
         architecture=arch,
-        hidden=int(_field(reader, f"{arch}.embedding_length", path)),
+        hidden=_int_field(reader, f"{arch}.embedding_length", path, *L.HF_INTEGERS["hidden_size"]),
         vocab=len(tokens.data),
         n_layer=n_layer,
-        uses_mrope=sections is not None and any(int(s) for s in sections.contents()),
+        uses_mrope=any(sections),
         reader=reader,
     )
 
 
 def _read_hf(path: Path) -> TargetInfo:
     config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ConversionError(f"target {path}: no config.json (expected a Hugging Face model directory)")
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConversionError(f"target {path}: no config.json (expected a Hugging Face model directory)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConversionError(f"target {config_path}: unreadable ({e})") from e
-    text = {**config, **config.get("text_config", {})}
-    missing = [k for k in ("hidden_size", "vocab_size", "num_hidden_layers") if k not in text]
-    if missing:
-        raise ConversionError(f"target {config_path}: missing {', '.join(missing)}")
+        config = read_json(config_path)
+        if not isinstance(config, dict) or not isinstance(config.get("text_config", {}), dict):
+            raise ValueError("expected a JSON object (and text_config an object)")
+        text = {**config, **config.get("text_config", {})}
+        missing = [k for k in ("hidden_size", "vocab_size", "num_hidden_layers") if k not in text]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        archs = config.get("architectures") or ["?"]
+        if not isinstance(archs, list) or not isinstance(archs[0], str):
+            raise ValueError(f"architectures = {str(archs)[:60]!r}: expected a list of class names")
+        hidden, vocab, n_layer = (L.hf_integer(k, text[k]) for k in ("hidden_size", "vocab_size", "num_hidden_layers"))
+    except ValueError as e:  # ConversionError too: it names the file already
+        raise ConversionError(str(e) if isinstance(e, ConversionError) else f"target {config_path}: {e}") from e
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     return TargetInfo(
         path=path,
         kind="hf",
-        architecture=(config.get("architectures") or ["?"])[0],
-        hidden=int(text["hidden_size"]),
-        vocab=int(text["vocab_size"]),
-        n_layer=int(text["num_hidden_layers"]),
+        architecture=archs[0],
+        hidden=hidden,
+        vocab=vocab,
+        n_layer=n_layer,
         uses_mrope=isinstance(rope, dict) and "mrope_section" in rope,
     )
 

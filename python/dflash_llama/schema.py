@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -516,21 +517,84 @@ class DraftHParams:
 
 # --- reading config.json (errors say what is wrong; from_hf_config names the file) ----------------
 
-def _integer(name: str, v, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}")
+INT32_MAX = 2**31 - 1
+F32_MAX = 3.4028234663852886e38  # the largest finite float32: every float below is written as F32
+# Every size and count of config.json, bounded before anything is sized by it (name: lowest, highest).
+# Generous for every published model; a corrupt value is one error line, never a hang or a huge list.
+HF_INTEGERS: dict[str, tuple[int, int]] = {
+    "num_hidden_layers": (1, 512),  # llama.cpp's LLAMA_MAX_LAYERS (src/llama-hparams.h)
+    "num_target_layers": (1, 512),  # the target is a llama.cpp model too
+    "num_attention_heads": (1, 1024),  # 8x the most published (DeepSeek-V3: 128)
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (2, 1024),  # 4x the largest published (Gemma 3: 256)
+    "hidden_size": (1, 65536),  # 4x the largest published (Llama 3.1 405B: 16384)
+    "intermediate_size": (1, 1 << 20),  # ~20x the largest published (Llama 3.1 405B: 53248)
+    "vocab_size": (1, INT32_MAX),  # a llama_token is an int32
+    "mask_token_id": (0, INT32_MAX),
+    "block_size": (2, 1024),  # the runtime needs an anchor and a MASK; published drafts: 16
+    "max_position_embeddings": (1, INT32_MAX),  # llama.cpp's n_ctx is an int32
+    "sliding_window": (1, INT32_MAX),  # a context length
+    "max_window_layers": (0, INT32_MAX),  # only compared with layer indices
+    "target_layer_ids": (-INT32_MAX - 1, INT32_MAX),  # an INT32 GGUF array; the target bounds them further
+}
+MAX_TARGET_LAYER_IDS = 512  # one tap per target layer at most (LLAMA_MAX_LAYERS)
+# Every float of config.json: finite, lowest < value <= highest, also once rounded to float32.
+HF_NUMBERS: dict[str, tuple[float, float]] = {
+    "rms_norm_eps": (0.0, 1.0),  # published: 1e-6 .. 1e-5
+    "rope_theta": (0.0, 1e12),  # published: 1e4 .. 1e7
+    "rope factor": (0.0, 1e6),  # linear RoPE scaling; published: 2 .. 64
+    "partial_rotary_factor": (0.0, 1.0),
+    "final_logit_softcapping": (-F32_MAX, F32_MAX),  # <= 0: off
+    "input_embedding_scale": (-F32_MAX, F32_MAX),
+    "output_multiplier": (-F32_MAX, F32_MAX),
+    "attention_value_scale": (-F32_MAX, F32_MAX),
+}
+
+
+def _show(v) -> str:
+    """A config value as an error line shows it: its repr, at most 60 characters."""
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def hf_integer(name: str, v) -> int:
+    """`v` checked as the config.json integer `name` (bounds: HF_INTEGERS); ValueError naming both."""
+    lo, hi = HF_INTEGERS[name]
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ValueError(f"{name} = {_show(v)}: expected an integer in {lo}..{hi}")
     return v
 
 
-def _number(name: str, v) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"{name} must be a number, got {v!r}")
-    return float(v)
+def hf_number(name: str, v) -> float:
+    """`v` checked as the config.json float `name` (bounds: HF_NUMBERS); ValueError naming both."""
+    lo, hi = HF_NUMBERS[name]
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and lo < v <= hi
+    if ok:  # in range as a float32 too (1e-50 is 0 there)
+        x = float(v)
+        ok = lo < struct.unpack("<f", struct.pack("<f", x))[0] <= hi
+    if not ok:
+        raise ValueError(f"{name} = {_show(v)}: expected a finite number in ({lo:g}, {hi:g}]")
+    return x
 
 
-def _hf_fields(config: dict) -> dict[str, Any]:
-    """DraftHParams fields from a DFlash 1 config.json, with Qwen3Config's defaults."""
+def _flag(name: str, v) -> bool | None:
+    """A JSON bool (null: not set); "false" or 0 are errors, not silently true or false."""
+    if v is not None and not isinstance(v, bool):
+        raise ValueError(f"{name} = {_show(v)}: expected true or false")
+    return v
+
+
+def _object(name: str, v) -> dict:
+    if not isinstance(v, dict):
+        raise ValueError(f"{name} = {_show(v)}: expected a JSON object")
+    return v
+
+
+def _hf_kind(config: dict) -> dict:
+    """Refuse what is not a DFlash 1 config.json; its `dflash_config`."""
     archs, dflash = config.get("architectures") or [], config.get("dflash_config")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"architectures = {_show(archs)}: expected a list of class names")
     if any("DFlash2" in a for a in archs) or (isinstance(dflash, dict) and "conv_kernel_size" in dflash):
         raise ValueError(f"DFlash 2 drafts are not supported yet (architectures {archs})")
     if archs and DFLASH_ARCHITECTURE not in archs:
@@ -538,9 +602,29 @@ def _hf_fields(config: dict) -> dict[str, Any]:
     if not isinstance(dflash, dict):
         raise ValueError("no 'dflash_config': this is not a DFlash draft checkpoint")
     if (act := config.get("hidden_act", "silu")) != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (DFlash 1 drafts use silu)")
-    if config.get("attention_bias"):
+        raise ValueError(f"hidden_act {_show(act)} is not supported (DFlash 1 drafts use silu)")
+    if _flag("attention_bias", config.get("attention_bias")):
         raise ValueError("attention_bias = true is not supported")
+    return dflash
+
+
+def _hf_rope(config: dict) -> tuple[str, dict]:
+    """(RoPE type, its parameters): rope_parameters (per attention type since transformers 5), else
+    rope_scaling."""
+    name = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
+    rope = _object(name, config.get(name) if config.get(name) is not None else {})
+    if "full_attention" in rope:
+        rope = _object(f"{name}.full_attention", rope["full_attention"])
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear"):
+        raise ValueError(f"RoPE type {_show(rope_type)} is not supported (only default and linear)")
+    return rope_type, rope
+
+
+def _hf_fields(config: dict) -> dict[str, Any]:
+    """DraftHParams fields from a DFlash 1 config.json, with Qwen3Config's defaults; every value is
+    type-checked and bounded (HF_INTEGERS, HF_NUMBERS) before anything is sized by it."""
+    dflash = _hf_kind(config)
 
     def value(name: str, default=None):  # dflash_config first, then the top level (the published order)
         return dflash.get(name, config.get(name, default))
@@ -548,67 +632,76 @@ def _hf_fields(config: dict) -> dict[str, Any]:
     def required(name: str) -> int:
         if name not in config:
             raise ValueError(f"missing {name}")
-        return _integer(name, config[name])
+        return hf_integer(name, config[name])
 
-    def optional_number(name: str, v) -> float | None:
-        return None if v is None else _number(name, v)
+    def optional(check, name: str, v):
+        return None if v is None else check(name, v)
 
     n_layer, n_head = required("num_hidden_layers"), required("num_attention_heads")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise ValueError(f"rope_parameters must be an object, got {rope!r}")
-    rope = rope.get("full_attention", rope)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "linear"):
-        raise ValueError(f"RoPE type {rope_type!r} is not supported (only default and linear)")
-    head_dim = _integer("head_dim", config.get("head_dim", 128))  # Qwen3Config's default
+    rope_type, rope = _hf_rope(config)
+    head_dim = hf_integer("head_dim", config.get("head_dim", 128))  # Qwen3Config's default
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
     window, swa_layers = _hf_sliding(config, dflash, n_layer)
-    top_causal = config.get("is_causal")  # wins over dflash_config.causal
-    causal = top_causal if top_causal is not None else dflash.get("causal")
-    softcap = optional_number("final_logit_softcapping", value("final_logit_softcapping"))
-    n_embd, n_head_kv = required("hidden_size"), _integer("num_key_value_heads",
-                                                           config.get("num_key_value_heads") or n_head)
-    n_ff, mask, ids = required("intermediate_size"), value("mask_token_id"), value("target_layer_ids")
+    top_causal = _flag("is_causal", config.get("is_causal"))  # wins over dflash_config.causal
+    causal = top_causal if top_causal is not None else _flag("dflash_config.causal", dflash.get("causal"))
+    softcap = optional(hf_number, "final_logit_softcapping", value("final_logit_softcapping"))
+    n_kv = config.get("num_key_value_heads")  # Qwen3Config: null is n_head
+    n_embd, n_head_kv = required("hidden_size"), n_head if n_kv is None else hf_integer("num_key_value_heads", n_kv)
+    n_ff, mask = required("intermediate_size"), value("mask_token_id")
     if mask is None:
         raise ValueError("no mask_token_id (dflash_config.mask_token_id)")
-    if ids is not None and (not isinstance(ids, list) or not ids or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in ids)):
-        raise ValueError(f"target_layer_ids must be a non-empty list of integers, got {ids!r}")
     n_vocab, n_layer_target = config.get("vocab_size"), value("num_target_layers")
+    neox = _flag("rope_is_neox_style", config.get("rope_is_neox_style"))
     return dict(
         n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_ff=n_ff,
-        mask_token_id=_integer("mask_token_id", mask, minimum=0), target_layer_ids=ids,
-        n_vocab=None if n_vocab is None else _integer("vocab_size", n_vocab),
-        n_layer_target=None if n_layer_target is None else _integer("num_target_layers", n_layer_target),
-        block_size=_integer("block_size", value("block_size", 16)),
-        n_ctx_train=_integer("max_position_embeddings", config.get("max_position_embeddings", 32768)),
-        rms_eps=_number("rms_norm_eps", config.get("rms_norm_eps", 1e-6)),
-        rope_freq_base=_number("rope_theta", rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        rope_linear_factor=(_number("rope factor", rope["factor"])
+        mask_token_id=hf_integer("mask_token_id", mask), target_layer_ids=_hf_target_layer_ids(value),
+        n_vocab=optional(hf_integer, "vocab_size", n_vocab),
+        n_layer_target=optional(hf_integer, "num_target_layers", n_layer_target),
+        block_size=hf_integer("block_size", value("block_size", 16)),
+        n_ctx_train=hf_integer("max_position_embeddings", config.get("max_position_embeddings", 32768)),
+        rms_eps=hf_number("rms_norm_eps", config.get("rms_norm_eps", 1e-6)),
+        rope_freq_base=hf_number("rope_theta", rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        rope_linear_factor=(hf_number("rope factor", rope["factor"])
                             if rope_type == "linear" and "factor" in rope else None),
-        n_rot=None if partial is None else int(head_dim * _number("partial_rotary_factor", partial)),
-        rope_neox=bool(config.get("rope_is_neox_style", True)),
-        causal=None if causal is None else bool(causal),
-        sliding_window=window, swa_layers=swa_layers,
-        embedding_scale=optional_number("input_embedding_scale", value("input_embedding_scale")),
-        logit_scale=optional_number("output_multiplier", value("output_multiplier")),
+        n_rot=None if partial is None else int(head_dim * hf_number("partial_rotary_factor", partial)),
+        rope_neox=neox is not False, causal=causal, sliding_window=window, swa_layers=swa_layers,
+        embedding_scale=optional(hf_number, "input_embedding_scale", value("input_embedding_scale")),
+        logit_scale=optional(hf_number, "output_multiplier", value("output_multiplier")),
         logit_softcap=softcap if softcap is not None and softcap > 0 else None,
-        value_scale=optional_number("attention_value_scale", dflash.get("attention_value_scale")),
+        value_scale=optional(hf_number, "attention_value_scale", dflash.get("attention_value_scale")),
         causal_at_top=top_causal is False)
+
+
+def _hf_target_layer_ids(value) -> list[int] | None:
+    """`target_layer_ids`: None (the default rule applies) or 1..MAX_TARGET_LAYER_IDS integers."""
+    ids = value("target_layer_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not 1 <= len(ids) <= MAX_TARGET_LAYER_IDS:
+        raise ValueError(f"target_layer_ids = {_show(ids)}: expected a list of 1..{MAX_TARGET_LAYER_IDS} "
+                         "target layer ids")
+    return [hf_integer("target_layer_ids", i) for i in ids]
 
 
 def _hf_sliding(config: dict, dflash: dict, n_layer: int) -> tuple[int | None, list[bool]]:
     """(window or None, per-layer sliding flags), Qwen3Config's defaults for `layer_types`."""
-    use_swa = bool(config.get("use_sliding_window", False) or dflash.get("use_swa", False))
-    window = (dflash.get("swa_window_size") or config.get("sliding_window")) if use_swa else None
-    window = _integer("sliding_window", window) if window else None
-    if dflash.get("use_swa", False) and window:
+    use_swa = _flag("dflash_config.use_swa", dflash.get("use_swa"))
+    enabled = _flag("use_sliding_window", config.get("use_sliding_window")) or use_swa
+    window = (dflash.get("swa_window_size") or config.get("sliding_window")) if enabled else None
+    window = None if window in (None, 0) else hf_integer("sliding_window", window)
+    if use_swa and window:
         return window, [True] * n_layer
-    layer_types = config.get("layer_types") or [
-        SLIDING_ATTENTION if window is not None and i >= config.get("max_window_layers", 28) else FULL_ATTENTION
-        for i in range(n_layer)]
+    layer_types = config.get("layer_types")
+    if layer_types is None or layer_types == []:
+        first_swa = hf_integer("max_window_layers", config.get("max_window_layers", 28))
+        layer_types = [SLIDING_ATTENTION if window is not None and i >= first_swa else FULL_ATTENTION
+                       for i in range(n_layer)]
+    if not isinstance(layer_types, list):
+        raise ValueError(f"layer_types = {_show(layer_types)}: expected a list of {n_layer} layer types")
+    if len(layer_types) != n_layer:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {n_layer} layers")
     for t in layer_types:
         if t not in (FULL_ATTENTION, SLIDING_ATTENTION):
-            raise ValueError(f"layer type {t!r} is not supported (only {FULL_ATTENTION!r} and {SLIDING_ATTENTION!r})")
+            raise ValueError(f"layer type {_show(t)} is not supported "
+                             f"(only {FULL_ATTENTION!r} and {SLIDING_ATTENTION!r})")
     return window, [t == SLIDING_ATTENTION for t in layer_types]
