@@ -43,7 +43,7 @@ size_t utf8_seq_len(const std::string & s, size_t i) {
 // String values are only displayed: invalid UTF-8 becomes U+FFFD rather than an error.
 std::string utf8_or_replaced(const char * s) {
     const std::string str(s);
-    return is_valid_utf8(str) ? str : display_string(str, str.size());
+    return is_valid_utf8(str) ? str : display_string(str, std::string::npos);
 }
 
 template <typename T, typename Out>
