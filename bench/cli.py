@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_llama.cli_args import EXIT_INEXACT, add_generation_args, add_model_args, threads
+from dflash_llama.cli_args import EXIT_INEXACT, add_generation_args, add_model_args, finite_float, threads
 from dflash_llama.paths import portable
 
 from .cost_model import parse_draft_max
@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="concurrent requests per serving level (default 1,2,4)")
     p.add_argument("--server-prompts", type=int, default=8,
                    help="benchmark prompts sent to the server at each concurrency level (default 8)")
-    p.add_argument("--budget-min", type=float, default=DEFAULT_BUDGET_MIN,
+    p.add_argument("--budget-min", type=finite_float, default=DEFAULT_BUDGET_MIN,
                    help=f"stop taking new prompts when the run would exceed this many minutes "
                         f"(default {DEFAULT_BUDGET_MIN:g}; 0 = no limit)")
     p.add_argument("--pilot-prompts", type=int, default=3,

@@ -280,3 +280,30 @@ def test_non_utf8_file_names_open(tiny_target_gguf, tiny_draft_gguf, tmp_path):
     missing = os.fsdecode(os.fsencode(tmp_path) + b"/none\xfe.gguf")
     with pytest.raises(ValueError, match=r"none\\xfe\.gguf: no such file"):
         dflash_llama.Runtime(missing)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "-m", "t.gguf", "--lr", "nan"], "argument --lr: expected a finite number, got 'nan'"),
+    (["train", "-m", "t.gguf", "--epochs", "inf"], "argument --epochs: expected a finite number, got 'inf'"),
+    (["bench", "-m", "t.gguf", "--budget-min=-inf"], "argument --budget-min: expected a finite number, got '-inf'"),
+    (["train", "-m", "t.gguf", "--lr", "fast"], "argument --lr: expected a number, got 'fast'"),
+])
+def test_float_flags_of_the_other_subcommands_are_finite(capsys, argv, message):
+    rc, out, err = run_in_process(capsys, argv)
+    assert (rc, out) == (2, "")
+    assert_one_line(err, f"dflash-llama {argv[0]}: error: ", message)
+
+
+def test_an_unexpected_exception_is_still_one_line(capsys, monkeypatch):
+    from dflash_llama import generate_cli
+
+    def broken(args):
+        raise KeyError("no such thing")
+
+    monkeypatch.setattr(generate_cli, "main", broken)
+    rc, out, err = run_in_process(capsys, ["generate", "-m", "t.gguf", "--no-draft", "-p", "x"])
+    assert (rc, out) == (1, "")
+    assert_one_line(err, "dflash-llama generate: error: ", "KeyError: 'no such thing'")
+    monkeypatch.setenv("DFLASH_LLAMA_TRACEBACK", "1")
+    with pytest.raises(KeyError):
+        cli.main(["generate", "-m", "t.gguf", "--no-draft", "-p", "x"])

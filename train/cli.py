@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from dflash_llama.cli_args import add_model_args, add_seed_arg, add_threads_arg
+from dflash_llama.cli_args import add_model_args, add_seed_arg, add_threads_arg, finite_float
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,16 +52,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: the published rule for --layers)")
     p.add_argument("--mask-token-id", type=int, default=0)
     p.add_argument("--ffn", type=int, default=0, help="draft MLP width (default: the target's)")
-    p.add_argument("--epochs", type=float, default=4.0)
-    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--epochs", type=finite_float, default=4.0)
+    p.add_argument("--lr", type=finite_float, default=6e-4)
     p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
     p.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
-    p.add_argument("--gamma", type=float, default=0.0,
+    p.add_argument("--gamma", type=finite_float, default=0.0,
                    help="position weights exp(-(k-1)/gamma) of block position k (default: the published 4 for "
                         "--block-size 8, 7 for 16; smaller puts the weight on the first drafted tokens)")
     p.add_argument("--vocab-subset", type=int, default=8192,
                    help="tokens in the loss's vocabulary (0: all; the held-out estimate always uses all)")
-    p.add_argument("--distill", type=float, default=0.0, metavar="W",
+    p.add_argument("--distill", type=finite_float, default=0.0, metavar="W",
                    help="weight of KL(target || draft) on the target's whole next-token distribution against "
                         "cross-entropy on its greedy token (0: cross-entropy only). The target's logits come from "
                         "its deepest captured layer through its remaining layers, run in PyTorch (llama, qwen3)")

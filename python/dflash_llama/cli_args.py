@@ -11,6 +11,7 @@ file), 3 an exactness failure (speculative output differs from plain greedy deco
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -70,6 +71,17 @@ def add_seed_arg(p: argparse.ArgumentParser, what: str) -> None:
 
 def add_block_size_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="draft block size (default: the draft's)")
+
+
+def finite_float(text: str) -> float:
+    """argparse type for a number that must be finite: nan or inf would be silently misread downstream."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def threads(n: int) -> int:
