@@ -146,7 +146,7 @@ void check_target_gguf(const std::string & path) {
     std::unique_ptr<gguf_context, void (*)(gguf_context *)> ctx(gguf_init_from_file(path.c_str(), params), &gguf_free);
     ggml_log_set(prev_cb, prev_ud);
     if (!ctx) {
-        return;  // the same parser fails inside llama.cpp, which reports it without an assert
+        throw std::invalid_argument(path + ": not a readable GGUF file (bad magic, corrupt or truncated header)");
     }
     const gguf_keys kv{ctx.get(), path};
     if (!kv.has("general.architecture")) {
