@@ -8,8 +8,7 @@ import shutil
 import pytest
 
 from dflash_llama import cli, fixtures, gguf_info
-from dflash_llama.converter import ConversionError, convert
-from dflash_llama.converter import conversion
+from dflash_llama.converter import ConversionError, conversion, convert
 
 
 @pytest.fixture
@@ -117,7 +116,8 @@ def test_missing_tensor(draft, tiny_target_hf, tmp_path):
     tensors = load_file(draft / "model.safetensors")
     del tensors["layers.0.mlp.up_proj.weight"]
     save_file(tensors, str(draft / "model.safetensors"))
-    fails(draft, tiny_target_hf, tmp_path, r"missing tensor 'layers\.0\.mlp\.up_proj\.weight' \(blk\.0\.ffn_up\.weight\)")
+    fails(draft, tiny_target_hf, tmp_path,
+          r"missing tensor 'layers\.0\.mlp\.up_proj\.weight' \(blk\.0\.ffn_up\.weight\)")
 
 
 def test_unexpected_tensor(draft, tiny_target_hf, tmp_path):
@@ -127,7 +127,8 @@ def test_unexpected_tensor(draft, tiny_target_hf, tmp_path):
     tensors = load_file(draft / "model.safetensors")
     tensors["layers.0.mlp.conv.weight"] = torch.zeros(4)
     save_file(tensors, str(draft / "model.safetensors"))
-    fails(draft, tiny_target_hf, tmp_path, r"unexpected tensor 'layers\.0\.mlp\.conv\.weight': not part of a DFlash 1 draft")
+    fails(draft, tiny_target_hf, tmp_path,
+          r"unexpected tensor 'layers\.0\.mlp\.conv\.weight': not part of a DFlash 1 draft")
 
 
 def test_truncated_safetensors(draft, tiny_target_hf, tmp_path):

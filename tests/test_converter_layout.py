@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_llama import paths
-from dflash_llama import schema as L
+from dflash_llama import paths, schema as L
 from dflash_llama.schema import default_target_layer_ids
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "gguf_layout.md"

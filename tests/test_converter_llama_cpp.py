@@ -8,9 +8,8 @@ import subprocess
 
 import pytest
 
-from dflash_llama import fixtures, gguf_info, paths
+from dflash_llama import fixtures, gguf_info, paths, schema as L
 from dflash_llama.converter import convert
-from dflash_llama import schema as L
 
 pytestmark = pytest.mark.peer
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash_llama import fixtures, gguf_info
+from dflash_llama import fixtures, gguf_info, schema as L
 from dflash_llama.converter import convert
-from dflash_llama import schema as L
 
 GQA = fixtures.TinyDraftConfig(layers=2, heads=8, kv_heads=2, target_layer_ids=[0, 2, 3], seed=2)
 # every optional key the pinned converter knows for DFlash 1, interleaved RoPE, a q8_0 fallback

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_llama import gguf_info
+from dflash_llama import gguf_info, schema as L
 from dflash_llama.converter import convert
-from dflash_llama import schema as L
 
 TEXTS = [
     "ha ha ha ha",
@@ -49,8 +48,7 @@ def test_tokenizer_keys_are_the_targets(smollm2_draft_gguf, smollm2_gguf):
 
 
 def test_tokenises_like_the_target(smollm2_draft_gguf, smollm2_gguf):
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (convert_gguf_tokenizer,
-                                                                       get_gguf_tokenizer)
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
 
     def tokenizer(path):
         arch, tokenizer_dict, _ = get_gguf_tokenizer(str(path))

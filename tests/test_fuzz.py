@@ -77,15 +77,7 @@ def test_split_follows_the_shares():
     assert fuzz.split_mutants(10, ("converter",)) == {"converter": 10}
 
 
-STILL_FAILING = {  # remove a mark once its causes are fixed (strict: an unexpected pass fails)
-    "target": "llama.cpp asserts on a negative rms epsilon (GGML_ASSERT(eps >= 0.0f)): no target pre-check yet",
-    "converter": "RecursionError on deep JSON, TypeError on string data_offsets, a non-string __metadata__ value "
-                 "taken where the safetensors library refuses it (issue 19)",
-}
-
-
-@pytest.mark.parametrize("target", [pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=STILL_FAILING[t]))
-                                    if t in STILL_FAILING else t for t in fuzz.TARGETS])
+@pytest.mark.parametrize("target", fuzz.TARGETS)
 def test_short_run_finds_no_failure(short_run, target):
     mine = [o for o in short_run if o.target == target]
     assert len(mine) == SHORT_RUN[target]
