@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
+#include <utility>
 
 namespace dflash {
 
@@ -99,11 +100,10 @@ std::vector<double> generate_result::acceptance_by_position() const {
     return accepted;
 }
 
-generate_result generate_speculative(target_runner & target, draft_runner & draft, const std::vector<int32_t> & prompt,
-                                     const generate_params & params, const token_callback & on_tokens) {
-    const auto t_start = clock_type::now();
-    const int32_t max_length = check_request(target, prompt, params);
-    const draft_hparams & hp = draft.hparams();
+namespace {
+
+// The block size (the draft's unless asked) and the most tokens one step drafts, checked.
+std::pair<int32_t, int32_t> block_shape(const target_runner & target, const draft_hparams & hp, const generate_params & params) {
     const int32_t block_size = params.block_size.value_or(hp.block_size);
     if (block_size < 2) {
         throw std::invalid_argument("block size must be at least 2, got " + std::to_string(block_size));
@@ -115,7 +115,28 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
     if (params.draft_max && *params.draft_max < 1) {
         throw std::invalid_argument("draft_max must be at least 1, got " + std::to_string(*params.draft_max));
     }
-    const int32_t draft_max = std::min(params.draft_max.value_or(block_size - 1), block_size - 1);
+    return { block_size, std::min(params.draft_max.value_or(block_size - 1), block_size - 1) };
+}
+
+// Cuts `produced` after its first stop token; true if there was one.
+bool cut_at_stop(std::vector<int32_t> & produced, const stop_rule & is_stop) {
+    for (size_t i = 0; i < produced.size(); ++i) {
+        if (is_stop(produced[i])) {
+            produced.resize(i + 1);
+            return true;
+        }
+    }
+    return false;
+}
+
+} // namespace
+
+generate_result generate_speculative(target_runner & target, draft_runner & draft, const std::vector<int32_t> & prompt,
+                                     const generate_params & params, const token_callback & on_tokens) {
+    const auto t_start = clock_type::now();
+    const int32_t max_length = check_request(target, prompt, params);
+    const draft_hparams & hp = draft.hparams();
+    const auto [block_size, draft_max] = block_shape(target, hp, params);
     const sampling_params & sp = params.sampling;
     const stop_rule is_stop{target, params};
     const int32_t n_vocab = target.n_vocab();
@@ -190,13 +211,7 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
         std::vector<int32_t> produced(drafted.begin(), drafted.begin() + accepted);
         produced.push_back(next);
         produced.resize(std::min<size_t>(produced.size(), (size_t) (max_length - start - 1)));
-        for (size_t i = 0; i < produced.size(); ++i) {
-            if (is_stop(produced[i])) {
-                produced.resize(i + 1);
-                stopped = true;
-                break;
-            }
-        }
+        stopped = cut_at_stop(produced, is_stop);
         const int32_t n_produced = (int32_t) produced.size();
         res.steps.push_back({ drafted, accepted, n_produced });
         res.tokens.insert(res.tokens.end(), produced.begin(), produced.end());

@@ -304,6 +304,9 @@ def test_a_checkpoint_grows_into_a_deeper_draft_that_computes_the_same(dataset, 
     card = write_model_card(grown_dir, [out_data]).read_text()
     assert card.startswith("# tiny-target-f32 DFlash draft (dflash-llama)\n")
     assert "3 layers, hidden" in card and "up to 24 tokens each" in card
+    mask = json.loads((grown_dir / "config.json").read_text())["dflash_config"]["mask_token_id"]
+    token = dflash_llama.gguf_info(tiny_target_gguf).metadata["tokenizer.ggml.tokens"][mask]
+    assert f"mask token {mask} (`{token}`)," in card  # the target's own text for it, not a fixed one
     assert f"| {out_data.name} | `?` | 8 |" in card
     with pytest.raises(ValueError, match=r"it has 3 layers, this training's draft 1 \(a draft can grow, not shrink\)"):
         train(out_data, tiny_target_gguf, tmp_path / "shrunk", cfg, progress=False, threads=2, init=grown_dir)

@@ -49,7 +49,7 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
         f"- {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads / "
         f"{cfg['num_key_value_heads']} KV heads of {cfg['head_dim']}, MLP {cfg['intermediate_size']}; "
         f"{params / 1e6:.2f} M parameters (the target's embeddings and head are not part of it)",
-        f"- block size {cfg['block_size']}, mask token {dc['mask_token_id']} (`<|endoftext|>`), "
+        f"- block size {cfg['block_size']}, mask token {dc['mask_token_id']}{_token_text(target, dc['mask_token_id'])}, "
         f"target layers {dc['target_layer_ids']} of {cfg['num_target_layers']}",
         "",
         "## Data",
@@ -148,6 +148,17 @@ def _score(recorded: dict):
     from .eval import EngineScore
 
     return EngineScore(**{f.name: recorded[f.name] for f in fields(EngineScore) if f.name in recorded})
+
+
+def _token_text(target: Path, token_id: int) -> str:
+    """` (`<text>`)` of a token of the target's vocabulary, or nothing where the target is not at hand."""
+    from dflash_llama import gguf_info
+
+    try:
+        tokens = gguf_info(target).metadata.get("tokenizer.ggml.tokens") or []
+    except (OSError, ValueError):
+        return ""
+    return f" (`{tokens[token_id]}`)" if 0 <= token_id < len(tokens) else ""
 
 
 def _heldout_measure(c: dict) -> str:
