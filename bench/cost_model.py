@@ -25,7 +25,6 @@ wants the number to pass as `draft_max`.
 from __future__ import annotations
 
 import statistics
-import sys
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -143,21 +142,6 @@ def autoregressive_step_ms(runtime, prompts: Sequence[Sequence[int]], max_new_to
     return statistics.median(times)
 
 
-def parse_draft_max(text: str) -> str | int:
-    """argparse type of `--draft-max`: 'auto' or an integer >= 1."""
-    import argparse
-
-    if text == "auto":
-        return "auto"
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--draft-max must be 'auto' or an integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"--draft-max must be at least 1, got {n}")
-    return n
-
-
 def auto_draft_max(runtime, prompts: Sequence[Sequence[int]], *, block_size: int | None = None,
                    max_new_tokens: int = 32) -> Prediction:
     """Measure and choose `draft_max` for `runtime` on these prompts (token lists)."""
@@ -165,17 +149,6 @@ def auto_draft_max(runtime, prompts: Sequence[Sequence[int]], *, block_size: int
     costs, gens = calibrate(runtime, prompts, list(range(1, b)), block_size=b, max_new_tokens=max_new_tokens)
     full = [s for n, g in gens if n == b - 1 for s in g.steps]
     return choose(survival(full), costs)
-
-
-def resolve_draft_max(rt, draft_max: int | str | None, prompt: list[int], block_size: int | None = None,
-                      tag: str = "dflash-llama run") -> int | None:
-    """`--draft-max`: None and integers as given; 'auto' measured on this machine and prompt."""
-    if draft_max != "auto":
-        return draft_max
-    pick = auto_draft_max(rt, [prompt], block_size=block_size)
-    print(f"{tag}: --draft-max auto: {pick.n_draft} (expected {pick.expected_tokens:.2f} tokens per "
-          f"{pick.step_ms:.1f} ms step, {pick.tokens_per_second:.1f} tok/s on this machine)", file=sys.stderr)
-    return pick.n_draft
 
 
 def to_json(costs: Mapping[int, StepCost], preds: Sequence[Prediction], pick: Prediction) -> dict:

@@ -88,6 +88,7 @@ void bind_generate_params(nb::module_ & m) {
         .def_prop_rw("seed", [](const generate_params & p) { return p.sampling.seed; },
                      [](generate_params & p, uint64_t v) { p.sampling.seed = v; })
         .def_rw("block_size", &generate_params::block_size)
+        .def_rw("adaptive", &generate_params::adaptive)
         .def_rw("draft_max", &generate_params::draft_max)
         .def_rw("stop_tokens", &generate_params::stop_tokens)
         .def_rw("stop_at_eog", &generate_params::stop_at_eog);
@@ -98,6 +99,30 @@ void bind_step_record(nb::module_ & m) {
         .def_ro("drafted", &dflash::step_record::drafted)
         .def_ro("accepted", &dflash::step_record::accepted)
         .def_ro("produced", &dflash::step_record::produced);
+}
+
+void bind_policy_summary(nb::module_ & m) {
+    using dflash::policy_summary;
+    nb::class_<policy_summary>(m, "PolicySummary")
+        .def_ro("plain_steps", &policy_summary::plain_steps)
+        .def_ro("draft_steps", &policy_summary::draft_steps)
+        .def_ro("probes", &policy_summary::probes)
+        .def_prop_ro("mean_draft", &policy_summary::mean_draft)
+        .def_prop_ro("plain_share", &policy_summary::plain_share)
+        .def_prop_ro("predicted_tokens_per_second", &policy_summary::predicted_tokens_per_second);
+}
+
+// The adaptive loop's chooser on its own, fed synthetic costs by the tests.
+void bind_draft_policy(nb::module_ & m) {
+    using dflash::draft_policy;
+    nb::class_<draft_policy>(m, "DraftPolicy")
+        .def(nb::init<int32_t>(), "max_draft"_a)
+        .def("choose", &draft_policy::choose)
+        .def("observe_plain", &draft_policy::observe_plain, "t_ms"_a)
+        .def("observe_draft", &draft_policy::observe_draft, "n"_a, "accepted"_a, "t_draft_ms"_a, "t_verify_ms"_a)
+        .def("expected_tokens", &draft_policy::expected_tokens, "n"_a)
+        .def("expected_ms", &draft_policy::expected_ms, "n"_a)
+        .def_prop_ro("summary", &draft_policy::summary);
 }
 
 void bind_generate_stats(nb::module_ & m) {
@@ -120,6 +145,8 @@ void bind_generate_result(nb::module_ & m) {
         .def_ro("steps", &generate_result::steps)
         .def_ro("stop_reason", &generate_result::stop_reason)
         .def_ro("stats", &generate_result::stats)
+        .def_ro("adaptive", &generate_result::adaptive)
+        .def_ro("policy", &generate_result::policy)
         .def_prop_ro("tau", &generate_result::tau)
         .def_prop_ro("acceptance_by_position", &generate_result::acceptance_by_position);
 }
@@ -216,6 +243,8 @@ NB_MODULE(_core, m) {
     bind_functions(m);
     bind_generate_params(m);
     bind_step_record(m);
+    bind_policy_summary(m);
+    bind_draft_policy(m);
     bind_generate_stats(m);
     bind_generate_result(m);
     bind_engine(m);

@@ -52,7 +52,9 @@ void print_usage(const char * argv0) {
         "  --top-k K                top-k sampling (default: 0 = off)\n"
         "  -s, --seed N             sampling seed (default: 0)\n"
         "  --block-size B           draft block size (default: the draft's)\n"
-        "  --draft-max N            verify at most N drafted tokens per step (default: block size - 1)\n"
+        "  --draft-max auto|N       drafted tokens verified per step: auto chooses each step's N (0 = a plain\n"
+        "                           decode) for the highest expected speed on this machine; N: at most N,\n"
+        "                           every step (default: auto)\n"
         "  --no-draft               plain autoregressive decoding of the target\n"
         "  --ignore-eos             do not stop at end-of-generation tokens\n"
         "  --json                   print one JSON object (tokens, text, steps, tau, stats)\n"
@@ -145,7 +147,12 @@ cli_args parse_args(int argc, char ** argv) {
         else if (flag == "--top-k")      a.gen.sampling.top_k = int32();
         else if (flag == "-s" || flag == "--seed") a.gen.sampling.seed = parse_int<uint64_t>(flag, value());
         else if (flag == "--block-size") a.gen.block_size = int32();
-        else if (flag == "--draft-max")  a.gen.draft_max = int32();
+        else if (flag == "--draft-max")  {
+            const char * v = value();
+            a.gen.adaptive = std::strcmp(v, "auto") == 0;
+            if (a.gen.adaptive) a.gen.draft_max.reset();
+            else a.gen.draft_max = parse_int<int32_t>(flag, v);
+        }
         else if (flag == "--no-draft")   a.no_draft = true;
         else if (flag == "--ignore-eos") a.gen.stop_at_eog = false;
         else if (flag == "--json")       a.json = true;
@@ -197,7 +204,14 @@ void print_json(const dflash::generate_result & r, const std::string & text) {
        << json_list(r.acceptance_by_position()) << ", \"stats\": {\"n_prompt\": " << s.n_prompt << ", \"n_generated\": "
        << s.n_generated << ", \"t_prefill_ms\": " << s.t_prefill_ms << ", \"t_draft_ms\": " << s.t_draft_ms
        << ", \"t_verify_ms\": " << s.t_verify_ms << ", \"t_other_ms\": " << s.t_other_ms << ", \"t_total_ms\": "
-       << s.t_total_ms << ", \"tokens_per_second\": " << s.tokens_per_second() << "}}";
+       << s.t_total_ms << ", \"tokens_per_second\": " << s.tokens_per_second() << "}";
+    if (r.adaptive) {
+        const auto & p = r.policy;
+        ss << ", \"policy\": {\"plain_steps\": " << p.plain_steps << ", \"draft_steps\": " << p.draft_steps
+           << ", \"probes\": " << p.probes << ", \"mean_draft\": " << p.mean_draft() << ", \"predicted_tokens_per_second\": "
+           << p.predicted_tokens_per_second() << "}";
+    }
+    ss << "}";
     std::printf("%s\n", ss.str().c_str());
 }
 
@@ -212,6 +226,12 @@ void print_stats(const dflash::generate_result & r, bool speculative) {
         std::fprintf(stderr, "acceptance by block position:");
         for (const double a : r.acceptance_by_position()) std::fprintf(stderr, " %.2f", a);
         std::fprintf(stderr, "\n");
+        if (r.adaptive) {
+            const auto & p = r.policy;
+            std::fprintf(stderr, "draft length:     auto: %.0f%% plain steps (%d probes), mean N %.2f over %d drafting steps; "
+                                 "predicted %.1f tok/s\n", 100.0 * p.plain_share(), p.probes, p.mean_draft(), p.draft_steps,
+                         p.predicted_tokens_per_second());
+        }
     }
     std::fprintf(stderr, "speed:            %.2f tok/s (prefill excluded)\n", s.tokens_per_second());
     std::fprintf(stderr, "time:             total %.1f ms = prefill %.1f + draft %.1f + verify %.1f + other %.1f\n",

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
+#include <tuple>
 #include <utility>
 
 namespace dflash {
@@ -112,6 +113,10 @@ std::pair<int32_t, int32_t> block_shape(const target_runner & target, const draf
         throw std::invalid_argument("the context (" + std::to_string(target.n_ctx()) + " tokens) is smaller than one block (" +
                                     std::to_string(block_size) + " tokens)");
     }
+    if (params.adaptive && params.draft_max) {
+        throw std::invalid_argument("draft_max " + std::to_string(*params.draft_max) +
+                                    " fixes the draft length, which the adaptive loop chooses: ask for one of them");
+    }
     if (params.draft_max && *params.draft_max < 1) {
         throw std::invalid_argument("draft_max must be at least 1, got " + std::to_string(*params.draft_max));
     }
@@ -131,103 +136,190 @@ bool cut_at_stop(std::vector<int32_t> & produced, const stop_rule & is_stop) {
 
 } // namespace
 
-generate_result generate_speculative(target_runner & target, draft_runner & draft, const std::vector<int32_t> & prompt,
-                                     const generate_params & params, const token_callback & on_tokens) {
-    const auto t_start = clock_type::now();
-    const int32_t max_length = check_request(target, prompt, params);
-    const draft_hparams & hp = draft.hparams();
-    const auto [block_size, draft_max] = block_shape(target, hp, params);
-    const sampling_params & sp = params.sampling;
-    const stop_rule is_stop{target, params};
-    const int32_t n_vocab = target.n_vocab();
-    sampler rng(sp.seed);
+namespace {
 
-    generate_result res;
-    res.stats.n_prompt = (int32_t) prompt.size();
-    target.rollback(0);
-    draft.crop(0);
-    target.set_capture(hp.target_layer_ids);
+// Features of tokens decoded by plain steps, injected into the draft cache only when a step drafts
+// again (or when kMaxRows pile up): a run of plain steps costs no draft work at all.
+struct pending_features {
+    static constexpr int32_t kMaxRows = 256;
+    std::vector<float> rows;
+    int32_t n = 0;
 
-    // prefill: the prompt through the target; its features seed the draft cache
-    auto t0 = clock_type::now();
-    target.decode(prompt.data(), (int32_t) prompt.size(), 0, /*all_logits=*/false);
-    int32_t last = choose(target.logits(0), n_vocab, sp, rng);
-    res.stats.t_prefill_ms = ms_since(t0);
-    t0 = clock_type::now();
-    draft.inject(target.features().data(), (int32_t) prompt.size(), 0);
-    res.stats.t_draft_ms += ms_since(t0);
+    void add(const std::vector<float> & features, int32_t n_rows) {
+        rows.insert(rows.end(), features.begin(), features.begin() + (features.size() / n_rows) * n_rows);
+        n += n_rows;
+    }
+    void flush(draft_runner & draft) {
+        if (n == 0) return;
+        draft.inject(rows.data(), n, draft.n_cached());
+        rows.clear();
+        n = 0;
+    }
+};
 
-    res.tokens.push_back(last);
-    if (on_tokens) on_tokens({ last });
-    bool stopped = is_stop(last);
-    int32_t start = (int32_t) prompt.size();  // position of `last`, not yet in the target's cache
-
-    std::vector<float> draft_logits;
+// The speculative loop's state between steps.
+struct spec_loop {
+    target_runner &         target;
+    draft_runner &          draft;
+    const generate_params & params;
+    const stop_rule         is_stop;
+    const int32_t           block_size, draft_max, max_length, n_vocab;
+    sampler                 rng;
+    generate_result &       res;
+    pending_features        pending;
+    std::vector<float>      draft_logits;
     std::vector<std::vector<float>> q, p;
-    while (start + 1 < max_length && !stopped) {
-        // draft: the block [last, MASK, ...] in one forward pass (shorter near max_length, as published)
-        t0 = clock_type::now();
-        const int32_t verify_size = std::min(block_size, max_length - start);
-        const int32_t n_draft     = std::min(verify_size - 1, draft_max);
-        std::vector<int32_t> verify = { last };
-        if (verify_size > 1) {
-            std::vector<int32_t> block(verify_size, hp.mask_token_id);
-            block[0] = last;
-            draft.forward_block(block.data(), verify_size, start, draft_logits, nullptr, n_draft);
-            q.resize(n_draft);
-            for (int32_t i = 0; i < n_draft; ++i) {
-                const float * row = draft_logits.data() + (size_t) i * n_vocab;
-                if (sp.greedy()) {
-                    verify.push_back(argmax(row, n_vocab));
-                } else {
-                    probs_from_logits(row, n_vocab, sp, q[i]);
-                    verify.push_back(rng.draw(q[i]));
-                }
+    int32_t last = -1, start = 0;  // the newest token and its position (not yet in the target's cache)
+    bool    stopped = false;
+
+    // Draft n tokens after `last` in one block forward; they follow `last` in `verify`.
+    void propose(int32_t n, std::vector<int32_t> & verify) {
+        const sampling_params & sp = params.sampling;
+        const int32_t n_block = std::min(block_size, max_length - start);
+        std::vector<int32_t> block(n_block, draft.hparams().mask_token_id);
+        block[0] = last;
+        draft.forward_block(block.data(), n_block, start, draft_logits, nullptr, n);
+        q.resize(n);
+        for (int32_t i = 0; i < n; ++i) {
+            const float * row = draft_logits.data() + (size_t) i * n_vocab;
+            if (sp.greedy()) {
+                verify.push_back(argmax(row, n_vocab));
+            } else {
+                probs_from_logits(row, n_vocab, sp, q[i]);
+                verify.push_back(rng.draw(q[i]));
             }
         }
-        res.stats.t_draft_ms += ms_since(t0);
+    }
 
-        // verify: one batched target decode of [last, drafted...], logits and features for all
-        t0 = clock_type::now();
-        target.decode(verify.data(), (int32_t) verify.size(), start, /*all_logits=*/true);
-        res.stats.t_verify_ms += ms_since(t0);
-
-        // accept: the longest prefix the target agrees with, then its own next token
-        std::vector<int32_t> drafted(verify.begin() + 1, verify.end());
-        int32_t accepted = 0, next = -1;
+    // The longest prefix of `drafted` the target agrees with; its own next token in `next`.
+    int32_t accept(const std::vector<int32_t> & drafted, int32_t & next) {
+        const sampling_params & sp = params.sampling;
+        const int32_t n = (int32_t) drafted.size();
+        int32_t accepted = 0;
         if (sp.greedy()) {
-            while (accepted < n_draft && drafted[accepted] == argmax(target.logits(accepted), n_vocab)) {
-                ++accepted;
-            }
+            while (accepted < n && drafted[accepted] == argmax(target.logits(accepted), n_vocab)) ++accepted;
             next = argmax(target.logits(accepted), n_vocab);
-        } else {
-            p.resize(n_draft + 1);
-            for (int32_t i = 0; i <= n_draft; ++i) {
-                probs_from_logits(target.logits(i), n_vocab, sp, p[i]);
-            }
-            accepted = rng.accept(drafted, q, p, next);
+            return accepted;
         }
+        p.resize(n + 1);
+        for (int32_t i = 0; i <= n; ++i) probs_from_logits(target.logits(i), n_vocab, sp, p[i]);
+        return rng.accept(drafted, q, p, next);
+    }
 
-        std::vector<int32_t> produced(drafted.begin(), drafted.begin() + accepted);
-        produced.push_back(next);
+    // Appends what a step produced (cut at max_length and at a stop token); returns its length.
+    int32_t commit(std::vector<int32_t> produced, const std::vector<int32_t> & drafted, int32_t accepted,
+                   const token_callback & on_tokens) {
         produced.resize(std::min<size_t>(produced.size(), (size_t) (max_length - start - 1)));
         stopped = cut_at_stop(produced, is_stop);
         const int32_t n_produced = (int32_t) produced.size();
         res.steps.push_back({ drafted, accepted, n_produced });
         res.tokens.insert(res.tokens.end(), produced.begin(), produced.end());
         if (on_tokens) on_tokens(produced);
+        last = produced.back();
+        return n_produced;
+    }
 
-        // roll back: the target keeps the verified tokens it accepted, the draft caches their features
+    // N = 0: one target decode of `last`, no draft forward; its features wait in `pending`.
+    double plain_step(const token_callback & on_tokens) {
+        const auto t0 = clock_type::now();
+        target.decode(&last, 1, start, /*all_logits=*/false);
+        const double t_ms = ms_since(t0);
+        res.stats.t_verify_ms += t_ms;
+        pending.add(target.features(), 1);
+        const int32_t next = choose(target.logits(0), n_vocab, params.sampling, rng);
+        start += commit({ next }, {}, 0, on_tokens);
+        if (pending.n >= pending_features::kMaxRows) {
+            const auto t1 = clock_type::now();
+            pending.flush(draft);
+            res.stats.t_draft_ms += ms_since(t1);
+        }
+        return t_ms;
+    }
+
+    // N >= 1: draft, verify [last, drafted...] in one target decode, keep the accepted prefix and the
+    // target's next token, roll back the rest. Returns {draft ms (with the injection), verify ms, accepted}.
+    std::tuple<double, double, int32_t> draft_step(int32_t n, const token_callback & on_tokens) {
+        auto t0 = clock_type::now();
+        pending.flush(draft);
+        res.stats.t_draft_ms += ms_since(t0);
+
+        t0 = clock_type::now();
+        std::vector<int32_t> verify = { last };
+        propose(n, verify);
+        double t_draft = ms_since(t0);
+
+        t0 = clock_type::now();
+        target.decode(verify.data(), (int32_t) verify.size(), start, /*all_logits=*/true);
+        const double t_verify = ms_since(t0);
+
+        std::vector<int32_t> drafted(verify.begin() + 1, verify.end());
+        int32_t next = -1;
+        const int32_t accepted = accept(drafted, next);
+        std::vector<int32_t> produced(drafted.begin(), drafted.begin() + accepted);
+        produced.push_back(next);
+        const int32_t n_produced = commit(std::move(produced), drafted, accepted, on_tokens);
+
+        // the target keeps the verified tokens it accepted, the draft caches their features
         target.rollback(start + n_produced);
         t0 = clock_type::now();
         draft.inject(target.features().data(), n_produced, start);
-        res.stats.t_draft_ms += ms_since(t0);
+        t_draft += ms_since(t0);
         start += n_produced;
-        last = produced.back();
+        res.stats.t_draft_ms += t_draft;
+        res.stats.t_verify_ms += t_verify;
+        return { t_draft, t_verify, accepted };
     }
+};
+
+} // namespace
+
+generate_result generate_speculative(target_runner & target, draft_runner & draft, const std::vector<int32_t> & prompt,
+                                     const generate_params & params, const token_callback & on_tokens) {
+    const auto t_start = clock_type::now();
+    const int32_t max_length = check_request(target, prompt, params);
+    const draft_hparams & hp = draft.hparams();
+    const auto [block_size, draft_max] = block_shape(target, hp, params);
+
+    generate_result res;
+    res.stats.n_prompt = (int32_t) prompt.size();
+    res.adaptive = params.adaptive;
+    target.rollback(0);
+    draft.crop(0);
+    target.set_capture(hp.target_layer_ids);
+    spec_loop loop{ target, draft, params, stop_rule{ target, params }, block_size, draft_max, max_length,
+                    target.n_vocab(), sampler(params.sampling.seed), res };
+
+    // prefill: the prompt through the target; its features seed the draft cache
+    auto t0 = clock_type::now();
+    target.decode(prompt.data(), (int32_t) prompt.size(), 0, /*all_logits=*/false);
+    loop.last = choose(target.logits(0), loop.n_vocab, params.sampling, loop.rng);
+    res.stats.t_prefill_ms = ms_since(t0);
+    t0 = clock_type::now();
+    draft.inject(target.features().data(), (int32_t) prompt.size(), 0);
+    res.stats.t_draft_ms += ms_since(t0);
+
+    res.tokens.push_back(loop.last);
+    if (on_tokens) on_tokens({ loop.last });
+    loop.stopped = loop.is_stop(loop.last);
+    loop.start = (int32_t) prompt.size();
+
+    draft_policy policy(draft_max);
+    while (loop.start + 1 < max_length && !loop.stopped) {
+        // near max_length the block is shorter (as published), and the last token is a plain step
+        const int32_t room = max_length - loop.start - 1;
+        const int32_t n = std::min(params.adaptive ? policy.choose() : draft_max, room);
+        if (n == 0) {
+            const double t_ms = loop.plain_step(on_tokens);
+            if (params.adaptive) policy.observe_plain(t_ms);
+        } else {
+            const auto [t_draft, t_verify, accepted] = loop.draft_step(n, on_tokens);
+            if (params.adaptive) policy.observe_draft(n, accepted, t_draft, t_verify);
+        }
+    }
+    res.policy = policy.summary();
 
     res.stats.n_generated = (int32_t) res.tokens.size();
-    res.stop_reason = stop_reason_for(start + 1, max_length, stopped, prompt, params);
+    res.stop_reason = stop_reason_for(loop.start + 1, max_length, loop.stopped, prompt, params);
     res.stats.t_total_ms = ms_since(t_start);
     res.stats.t_other_ms = res.stats.t_total_ms - res.stats.t_prefill_ms - res.stats.t_draft_ms - res.stats.t_verify_ms;
     return res;

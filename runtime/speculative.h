@@ -3,6 +3,7 @@
 #pragma once
 
 #include "draft_graph.h"
+#include "draft_policy.h"
 #include "sampling.h"
 #include "target.h"
 
@@ -18,13 +19,17 @@ struct generate_params {
     int32_t max_new_tokens = 128;
     sampling_params sampling;
     std::optional<int32_t> block_size;  // unset: the draft's trained block size
-    std::optional<int32_t> draft_max;   // verify at most this many drafted tokens; unset: block_size - 1
+    // adaptive: each step verifies the N = 0..block_size-1 drafted tokens of the highest expected speed
+    // (draft_policy.h; N = 0 is a plain decode with no draft forward). Else every step verifies
+    // draft_max drafted tokens (unset: block_size - 1).
+    bool                   adaptive = true;
+    std::optional<int32_t> draft_max;
     std::vector<int32_t> stop_tokens;  // in addition to the vocabulary's end-of-generation tokens
     bool    stop_at_eog = true;
 };
 
 struct step_record {
-    std::vector<int32_t> drafted;   // tokens the target verified (after --draft-max)
+    std::vector<int32_t> drafted;   // tokens the target verified (after --draft-max); empty: a plain step
     int32_t accepted = 0;           // drafted tokens the target agreed with
     int32_t produced = 0;           // tokens this step added to the output (accepted + 1, or fewer at a stop)
 };
@@ -49,8 +54,10 @@ struct generate_result {
     std::vector<step_record> steps;        // one per target verify (empty for autoregressive)
     std::string              stop_reason;  // "max_tokens", "stop_token" or "context_full"
     generate_stats           stats;
+    bool                     adaptive = false;  // the steps were chosen by the adaptive loop
+    policy_summary           policy;            // what it chose (adaptive only)
 
-    // mean tokens produced per target verify
+    // mean tokens produced per target verify (plain steps included: one each)
     double tau() const;
     // per block position i: accepted / drafted over all steps that drafted position i
     std::vector<double> acceptance_by_position() const;

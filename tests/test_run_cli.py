@@ -31,25 +31,28 @@ def test_the_packaged_draft_is_small_and_made_for_smollm2():
 
 
 def test_run_is_exact_and_the_default_draft_is_trained(capsys, cache):
-    rc = cli.main(["run", "-p", PROMPT, "-n", "64", "-t", "2"])
+    rc = cli.main(["run", "-p", PROMPT, "-n", "64", "-t", "2", "--draft-max", "7"])  # the whole block, every step
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert out.startswith(PROMPT)
     assert "exact: yes (identical to the target's greedy output)" in err
     tau = float(re.search(r"tau (\d+\.\d+)", err).group(1))
     assert tau > 1.3, err  # an untrained draft is accepted almost never: tau ~ 1.0
+    assert "draft length:" not in err  # a fixed draft length has no adaptive summary
     assert len(list(cache.glob("smollm2-135m-dflash-*-f16.gguf"))) == 1  # converted once, cached
 
 
-def test_run_picks_draft_max_by_measuring(capsys, cache):
-    rc = cli.main(["run", "-p", PROMPT, "-n", "32", "-t", "2", "--draft-max", "auto"])
+def test_run_defaults_to_the_adaptive_loop(capsys, cache):
+    rc = cli.main(["run", "-p", PROMPT, "-n", "32", "-t", "2"])
     _, err = capsys.readouterr()
     assert rc == 0, err
-    n = int(re.search(r"--draft-max auto: (\d+) \(expected", err).group(1))
-    assert 1 <= n <= 7  # the draft's block is 8
     assert "exact: yes" in err
-    steps = int(re.search(r"(\d+) target verifies", err).group(1))
-    assert steps >= 31 / (n + 1)  # never more than n drafted tokens accepted per verify
+    m = re.search(r"draft length:    auto: (\d+)% plain steps \((\d+) of (\d+), (\d+) re-probes\)", err)
+    assert m, err
+    share, plain, steps, probes = map(int, m.groups())
+    assert steps == int(re.search(r"(\d+) target verifies", err).group(1))  # plain steps are target decodes too
+    assert plain <= steps - 1 and probes <= steps - plain  # the second step always drafts; probes draft
+    assert share == round(100 * plain / steps)
 
 
 def test_run_with_a_missing_draft_says_so(capsys, cache, tmp_path):

@@ -50,8 +50,9 @@ def test_capture_matches_hf_hidden_states(tiny_target_gguf, draft_gguf, tiny_tar
 
 
 def test_generation_record(rt):
-    out = rt.generate("def fibonacci(n):", 16)
+    out = rt.generate("def fibonacci(n):", 16, draft_max=None)  # the whole block, every step
     assert isinstance(out, dflash_llama.Generation)
+    assert out.policy is None
     assert len(out.tokens) == 16 and out.stats.n_generated == 16
     assert out.stop_reason == "max_tokens"
     assert out.tau == pytest.approx(sum(s.produced for s in out.steps) / len(out.steps))
@@ -60,6 +61,23 @@ def test_generation_record(rt):
     assert set(doc) >= {"tokens", "text", "steps", "tau"}
     assert set(doc["steps"][0]) == {"drafted", "accepted", "produced"}
     assert out.stats.t_total_ms >= out.stats.t_prefill_ms + out.stats.t_verify_ms
+
+
+def test_adaptive_generation_record(rt):
+    out = rt.generate("def fibonacci(n):", 24)  # draft_max="auto" by default
+    p = out.policy
+    assert isinstance(p, dflash_llama.runtime.Policy)
+    assert p.plain_steps + p.draft_steps == len(out.steps)
+    plain = [s for s in out.steps if not s.drafted]
+    assert len(plain) == p.plain_steps and all(s.produced == 1 and s.accepted == 0 for s in plain)
+    assert out.steps[0].drafted == [] and len(out.steps[1].drafted) == 2  # measure plain, then drafting
+    drafting = [len(s.drafted) for s in out.steps if s.drafted]
+    assert p.mean_draft == pytest.approx(sum(drafting) / len(drafting))
+    assert 0 <= p.probes <= p.draft_steps
+    assert out.to_json()["policy"]["plain_steps"] == p.plain_steps
+    assert out.tokens == rt.autoregressive("def fibonacci(n):", 24).tokens
+    with pytest.raises(ValueError, match="draft_max must be an integer, None or 'auto', got 'fast'"):
+        rt.generate("def fibonacci(n):", 4, draft_max="fast")
 
 
 def test_trace_draft_names_and_shapes(rt):

@@ -73,6 +73,25 @@ def add_block_size_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="draft block size (default: the draft's)")
 
 
+def parse_draft_max(text: str) -> str | int:
+    """argparse type of `--draft-max`: 'auto' or an integer >= 1."""
+    if text == "auto":
+        return "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--draft-max must be 'auto' or an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--draft-max must be at least 1, got {n}")
+    return n
+
+
+def add_draft_max_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-max", type=parse_draft_max, default="auto", metavar="auto|N",
+                   help="drafted tokens verified per step: auto (default) chooses each step's N, 0 being a plain "
+                        "decode, for the highest expected speed on this machine; N: at most N every step")
+
+
 def finite_float(text: str) -> float:
     """argparse type for a number that must be finite: nan or inf would be silently misread downstream."""
     try:

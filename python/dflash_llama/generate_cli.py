@@ -21,8 +21,15 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .bench.cost_model import parse_draft_max
-from .cli_args import CTX_SIZE, THREADS, add_block_size_arg, add_generation_args, add_model_args, add_sampling_args
+from .cli_args import (
+    CTX_SIZE,
+    THREADS,
+    add_block_size_arg,
+    add_draft_max_arg,
+    add_generation_args,
+    add_model_args,
+    add_sampling_args,
+)
 
 ENGINES = ("runtime", "reference")
 
@@ -40,7 +47,7 @@ class GenerateRequest:
     top_k: int = 0
     seed: int = 0
     ignore_eos: bool = False
-    draft_max: int | str | None = None  # runtime: verify at most this many drafted tokens, or "auto"
+    draft_max: int | str = "auto"  # runtime: verify at most this many drafted tokens, or "auto"
     threads: int = THREADS  # runtime: CPU threads, 0 = all
     n_ctx: int = CTX_SIZE  # runtime: context size
     kv_f32: bool = False  # runtime: f32 KV cache, no flash attention (for comparisons with the reference)
@@ -61,9 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_block_size_arg(p)
     add_sampling_args(p)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation")
-    p.add_argument("--draft-max", type=parse_draft_max,
-                   help="runtime: verify at most N drafted tokens per step; auto: the fastest N measured on "
-                        "this machine and prompt")
+    add_draft_max_arg(p)
     p.add_argument("--kv-f32", action="store_true",
                    help="runtime: f32 KV cache and no flash attention, to compare with the reference in f32")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -106,7 +111,6 @@ def _run_reference(req: GenerateRequest) -> dict:
 def _run_runtime(req: GenerateRequest) -> dict:
     from pathlib import Path
 
-    from .bench.cost_model import resolve_draft_max
     from .converter.pair import resolve_draft
     from .runtime import Runtime
 
@@ -122,8 +126,7 @@ def _run_runtime(req: GenerateRequest) -> dict:
     if draft is None:
         result = rt.autoregressive(prompt_ids, req.max_tokens, **kw)
     else:
-        draft_max = resolve_draft_max(rt, req.draft_max, list(prompt_ids), req.block_size, "dflash-llama generate")
-        result = rt.generate(prompt_ids, req.max_tokens, block_size=req.block_size, draft_max=draft_max, **kw)
+        result = rt.generate(prompt_ids, req.max_tokens, block_size=req.block_size, draft_max=req.draft_max, **kw)
     return result.to_json(prompt_ids=prompt_ids)
 
 

@@ -12,8 +12,7 @@ import argparse
 import sys
 import time
 
-from .bench.cost_model import parse_draft_max, resolve_draft_max
-from .cli_args import EXIT_INEXACT, add_block_size_arg, add_generation_args, add_model_args
+from .cli_args import EXIT_INEXACT, add_block_size_arg, add_draft_max_arg, add_generation_args, add_model_args
 from .converter.pair import DEFAULT_DRAFT, resolve_draft
 from .results import first_mismatch
 
@@ -31,10 +30,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                               "(default: the packaged SmolLM2 draft)")
     add_generation_args(p, prompt=DEFAULT_PROMPT)
     add_block_size_arg(p)
-    p.add_argument("--draft-max", type=parse_draft_max,
-                   help="verify at most N drafted tokens per step; auto: measure this machine's verify cost "
-                        "and the draft's acceptance on the prompt, and pick the fastest N")
+    add_draft_max_arg(p)
     p.add_argument("--no-check", action="store_true", help="skip the autoregressive comparison")
+
+
+def policy_line(p) -> str:
+    """What `--draft-max auto` chose, in one line."""
+    why = ("drafting did not pay on this machine and text" if p.draft_steps <= p.probes + 1
+           else f"mean N {p.mean_draft:.2f} over {p.draft_steps} drafting steps")
+    return (f"draft length:    auto: {100 * p.plain_share:.0f}% plain steps ({p.plain_steps} of "
+            f"{p.plain_steps + p.draft_steps}, {p.probes} re-probes), {why}; predicted "
+            f"{p.predicted_tokens_per_second:.1f} tok/s")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -45,8 +51,7 @@ def main(args: argparse.Namespace) -> int:
     draft = resolve_draft(args.draft or DEFAULT_DRAFT, target)
     rt = Runtime(target, draft, n_threads=args.threads, n_ctx=args.ctx_size)
 
-    draft_max = resolve_draft_max(rt, args.draft_max, rt.tokenize(args.prompt), args.block_size)
-    stream = rt.generate(args.prompt, args.n_predict, block_size=args.block_size, draft_max=draft_max,
+    stream = rt.generate(args.prompt, args.n_predict, block_size=args.block_size, draft_max=args.draft_max,
                          stream=True)
     pieces = iter(stream)
     first = next(pieces, "")  # the runtime checks the request: a bad one raises here, before any output
@@ -61,6 +66,8 @@ def main(args: argparse.Namespace) -> int:
           f"{s.tokens_per_second:.1f} tok/s", file=sys.stderr)
     print("acceptance by block position: " + " ".join(f"{a:.2f}" for a in spec.acceptance_by_position),
           file=sys.stderr)
+    if spec.policy is not None:
+        print(policy_line(spec.policy), file=sys.stderr)
     if args.no_check:
         return 0
     t0 = time.perf_counter()

@@ -81,6 +81,18 @@ class Stats:
 
 
 @dataclass
+class Policy:
+    """What the adaptive loop (`draft_max="auto"`) chose: N = 0 steps are plain decodes."""
+
+    plain_steps: int
+    draft_steps: int
+    probes: int  # drafting steps taken from plain mode to re-measure
+    mean_draft: float  # mean N over the drafting steps
+    plain_share: float
+    predicted_tokens_per_second: float  # the loop's own cost model, over its choices
+
+
+@dataclass
 class Generation:
     tokens: list[int]  # generated ids, prompt excluded
     text: str
@@ -89,6 +101,7 @@ class Generation:
     stop_reason: str  # "max_tokens", "stop_token" or "context_full"
     acceptance_by_position: list[float]
     stats: Stats
+    policy: Policy | None = None  # the adaptive loop's choices; None for a fixed draft length
 
     def to_json(self, prompt_ids: Sequence[int] | None = None) -> dict:
         """The `dflash-llama generate --json` object (`results.generation_json`). Plain decoding
@@ -97,9 +110,14 @@ class Generation:
             steps, tau = [asdict(s) for s in self.steps], self.tau
         else:
             steps, tau = plain_steps(len(self.tokens)), None
+        extra = {} if self.policy is None else {"policy": asdict(self.policy)}
         return generation_json(self.tokens, self.text, steps, tau, stop_reason=self.stop_reason,
                                acceptance_by_position=self.acceptance_by_position, stats=asdict(self.stats),
-                               prompt_ids=prompt_ids)
+                               prompt_ids=prompt_ids, **extra)
+
+
+def _policy(p) -> Policy:
+    return Policy(p.plain_steps, p.draft_steps, p.probes, p.mean_draft, p.plain_share, p.predicted_tokens_per_second)
 
 
 @dataclass
@@ -176,9 +194,12 @@ class Runtime:
     # -- decoding -----------------------------------------------------------------------------
     def generate(self, prompt: str | bytes | Sequence[int], max_new_tokens: int = 128, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, block_size: int | None = None,
-                 draft_max: int | None = None, stop_tokens: Sequence[int] = (), stop_at_eog: bool = True,
+                 draft_max: int | str | None = "auto", stop_tokens: Sequence[int] = (), stop_at_eog: bool = True,
                  stream: bool = False) -> Generation | Stream:
-        """DFlash speculative decoding. Greedy (temperature 0) output equals `autoregressive`."""
+        """DFlash speculative decoding. Greedy (temperature 0) output equals `autoregressive`.
+
+        draft_max: "auto" lets each step choose how many drafted tokens to verify (0 = a plain decode)
+        for the highest expected speed; N verifies at most N every step; None the whole block."""
         if not self.has_draft:
             raise ValueError("this Runtime has no draft: pass draft=..., or use autoregressive()")
         params = self._params(max_new_tokens, temperature, top_p, top_k, seed, block_size, draft_max,
@@ -238,7 +259,8 @@ class Runtime:
     def _params(self, max_new_tokens, temperature, top_p, top_k, seed, block_size, draft_max,
                 stop_tokens, stop_at_eog):
         """The C++ request, its values converted to their C types; the runtime checks them (check_request
-        and friends, ValueError here). None leaves block_size and draft_max to the draft."""
+        and friends, ValueError here). None leaves block_size and draft_max to the draft; draft_max
+        "auto" is the adaptive loop."""
         p = self._core.GenerateParams()
         p.max_new_tokens = c_int("max_new_tokens", max_new_tokens)
         p.temperature = float(temperature)
@@ -248,7 +270,10 @@ class Runtime:
             raise ValueError(f"seed must be >= 0, got {seed}")
         p.seed = c_int("seed", seed, UINT64)
         p.block_size = None if block_size is None else c_int("block_size", block_size)
-        p.draft_max = None if draft_max is None else c_int("draft_max", draft_max)
+        if isinstance(draft_max, str) and draft_max != "auto":
+            raise ValueError(f"draft_max must be an integer, None or 'auto', got {draft_max!r}")
+        p.adaptive = draft_max == "auto"
+        p.draft_max = None if draft_max is None or p.adaptive else c_int("draft_max", draft_max)
         p.stop_tokens = [c_int("stop token", t) for t in stop_tokens]
         p.stop_at_eog = bool(stop_at_eog)
         return p
@@ -276,6 +301,7 @@ class Runtime:
             acceptance_by_position=list(r.acceptance_by_position),
             stats=Stats(s.n_prompt, s.n_generated, s.t_prefill_ms, s.t_draft_ms, s.t_verify_ms,
                         s.t_other_ms, s.t_total_ms, s.tokens_per_second),
+            policy=_policy(r.policy) if r.adaptive else None,
         )
 
     def _run(self, fn, prompt, params, stream: bool):

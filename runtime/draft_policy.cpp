@@ -1,0 +1,156 @@
+#include "draft_policy.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace dflash {
+
+namespace {
+constexpr double kFirstAcceptance = 0.5;  // prior of c_1 before any draft was verified
+constexpr double kPriorWeight     = 1.0;  // its weight, in drafting steps
+constexpr double kPriorSlope      = 0.5;  // extra cost of each verified token, in plain steps, until measured
+constexpr int32_t kFirstDraft     = 2;    // N of the first drafting step
+}
+
+void draft_policy::average::add(double x) {
+    value = seen ? value + kCostWeight * (x - value) : x;
+    seen  = true;
+}
+
+draft_policy::draft_policy(int32_t max_draft)
+    : max_draft_(max_draft), verify_(max_draft + 2), draft_(max_draft + 1), hits_(max_draft + 1, 0.0),
+      tries_(max_draft + 1, 0.0) {
+    if (max_draft < 1) {
+        throw std::invalid_argument("the adaptive loop needs a block of at least 2 tokens, got a draft of " +
+                                    std::to_string(max_draft));
+    }
+}
+
+double draft_policy::expected_tokens(int32_t n) const {
+    double e = 1.0, run = 1.0, c = kFirstAcceptance;
+    for (int32_t i = 1; i <= n; ++i) {
+        c = (hits_[i] + kPriorWeight * c) / (tries_[i] + kPriorWeight);
+        run *= c;
+        e += run;
+    }
+    return e;
+}
+
+// Seen sizes as they are; others on the line through the nearest seen sizes around them (beyond the
+// largest, the slope of the two largest, or kPriorSlope plain steps per token if only one is seen).
+double draft_policy::verify_ms(int32_t k) const {
+    if (verify_[k].seen) return verify_[k].value;
+    int32_t lo = k - 1, hi = k + 1;
+    while (lo >= 1 && !verify_[lo].seen) --lo;
+    while (hi <= max_draft_ + 1 && !verify_[hi].seen) ++hi;
+    const bool has_hi = hi <= max_draft_ + 1;
+    if (lo >= 1 && has_hi) {
+        const double f = (double) (k - lo) / (hi - lo);
+        return verify_[lo].value + f * (verify_[hi].value - verify_[lo].value);
+    }
+    if (lo >= 1) {
+        int32_t lo2 = lo - 1;
+        while (lo2 >= 1 && !verify_[lo2].seen) --lo2;
+        const double slope = lo2 >= 1 ? (verify_[lo].value - verify_[lo2].value) / (lo - lo2)
+                                      : kPriorSlope * verify_[lo].value / lo;
+        return verify_[lo].value + std::max(slope, 0.0) * (k - lo);
+    }
+    return has_hi ? verify_[hi].value * k / hi : 0.0;
+}
+
+// A draft forward costs much the same whatever its number of proposals: the nearest seen one, else
+// a plain step's time.
+double draft_policy::draft_ms(int32_t n) const {
+    for (int32_t d = 0; d <= max_draft_; ++d) {
+        if (n - d >= 1 && draft_[n - d].seen) return draft_[n - d].value;
+        if (n + d <= max_draft_ && draft_[n + d].seen) return draft_[n + d].value;
+    }
+    return verify_ms(1);
+}
+
+double draft_policy::expected_ms(int32_t n) const {
+    const double t1 = verify_ms(1);
+    if (t1 <= 0.0) return 0.0;
+    return n == 0 ? t1 : draft_ms(n) + verify_ms(n + 1);
+}
+
+int32_t draft_policy::best(int32_t n_min) const {
+    int32_t pick = n_min;
+    double  top  = -1.0;
+    for (int32_t n = n_min; n <= max_draft_; ++n) {
+        const double ms = expected_ms(n);
+        const double speed = ms > 0.0 ? expected_tokens(n) / ms : 0.0;
+        if (speed > top) {
+            top  = speed;
+            pick = n;
+        }
+    }
+    return pick;
+}
+
+void draft_policy::note_choice(int32_t n) {
+    (n == 0 ? summary_.plain_steps : summary_.draft_steps) += 1;
+    summary_.drafted += n;
+    const double ms = expected_ms(n);
+    if (ms > 0.0) {
+        summary_.predicted_tokens += expected_tokens(n);
+        summary_.predicted_ms     += ms;
+    }
+}
+
+int32_t draft_policy::choose() {
+    int32_t n = 0;
+    if (!verify_[1].seen) {
+        n = 0;  // the first step measures plain decoding
+    } else if (std::none_of(draft_.begin(), draft_.end(), [](const average & a) { return a.seen; })) {
+        n = std::min(kFirstDraft, max_draft_);  // the second measures drafting
+    } else if (plain_mode_ && countdown_ > 0) {
+        --countdown_;
+    } else if (plain_mode_) {
+        probing_ = true;
+        ++summary_.probes;
+        n = best(1);
+    } else {
+        n = best(0);
+        if (n == 0) {
+            plain_mode_ = true;
+            countdown_  = interval_ - 1;
+        }
+    }
+    note_choice(n);
+    return n;
+}
+
+void draft_policy::observe_plain(double t_ms) {
+    verify_[1].add(t_ms);
+}
+
+void draft_policy::observe_draft(int32_t n, int32_t accepted, double t_draft_ms, double t_verify_ms) {
+    if (n < 1 || n > max_draft_ || accepted < 0 || accepted > n) {
+        throw std::invalid_argument("draft_policy: a step of " + std::to_string(n) + " drafted, " + std::to_string(accepted) +
+                               " accepted");
+    }
+    draft_[n].add(t_draft_ms);
+    verify_[n + 1].add(t_verify_ms);
+    for (int32_t j = 1; j <= max_draft_; ++j) {
+        hits_[j]  *= kDecay;
+        tries_[j] *= kDecay;
+    }
+    for (int32_t j = 1; j <= std::min(accepted + 1, n); ++j) {
+        tries_[j] += 1.0;
+        hits_[j]  += j <= accepted ? 1.0 : 0.0;
+    }
+    if (probing_) {  // a probe from plain mode: stay plain (and wait longer) unless drafting now pays
+        probing_ = false;
+        if (best(0) == 0) {
+            interval_  = std::min(2 * interval_, kProbeMax);
+            countdown_ = interval_ - 1;
+        } else {
+            plain_mode_ = false;
+            interval_   = kProbeFirst;
+        }
+    }
+}
+
+} // namespace dflash

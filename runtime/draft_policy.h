@@ -1,0 +1,77 @@
+// The adaptive draft length (`--draft-max auto`): before each step of the speculative loop it picks
+// how many drafted tokens the target verifies, N = 0..max_draft, where N = 0 is a plain decode step
+// with no draft forward at all. It learns online, on this machine and target, what a step costs (a
+// plain decode, a verify of k tokens, a draft forward) and how often each block position is
+// accepted, and picks the N of the highest expected speed:
+//
+//   E(N)     = 1 + sum_{i=1..N} prod_{j<=i} c_j    c_j: acceptance of position j when j-1 was accepted
+//   speed(N) = E(N) / (t_draft(N) + t_verify(N+1)),   speed(0) = 1 / t_plain
+//
+// When plain decoding wins it stays plain, and re-probes drafting after 8, 16, 32 ... 256 plain
+// steps: the interval doubles while probes do not pay and starts again at 8 when one does. The
+// first step is plain (it measures t_plain), the second drafts (it measures the rest).
+// Costs are exponential averages per size; sizes not yet seen are interpolated linearly between
+// seen ones. Acceptance counts decay (by kDecay per drafting step) so that they follow the text.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace dflash {
+
+struct policy_summary {
+    int32_t plain_steps = 0;        // N = 0: a plain decode, no draft forward
+    int32_t draft_steps = 0;        // N >= 1
+    int32_t probes      = 0;        // drafting steps taken from plain mode to re-measure
+    int64_t drafted     = 0;        // sum of N over drafting steps
+    double  predicted_tokens = 0.0; // sum over steps of the expected tokens of the choice
+    double  predicted_ms     = 0.0; // sum over steps of its expected time
+
+    double mean_draft() const { return draft_steps > 0 ? (double) drafted / draft_steps : 0.0; }
+    double plain_share() const {
+        const int32_t n = plain_steps + draft_steps;
+        return n > 0 ? (double) plain_steps / n : 0.0;
+    }
+    double predicted_tokens_per_second() const { return predicted_ms > 0.0 ? 1000.0 * predicted_tokens / predicted_ms : 0.0; }
+};
+
+class draft_policy {
+public:
+    explicit draft_policy(int32_t max_draft);
+
+    // N for the next step, 0..max_draft (the caller may cut it near the end of the sequence).
+    int32_t choose();
+    // What the chosen step cost: a plain decode of one token, or a draft forward of n proposals,
+    // a verify of n + 1 tokens and the injection of the accepted ones, `accepted` of n accepted.
+    void observe_plain(double t_ms);
+    void observe_draft(int32_t n, int32_t accepted, double t_draft_ms, double t_verify_ms);
+
+    double expected_tokens(int32_t n) const;
+    double expected_ms(int32_t n) const;  // 0 while the cost of n cannot be estimated yet
+    const policy_summary & summary() const { return summary_; }
+
+    static constexpr double  kDecay        = 0.95;
+    static constexpr double  kCostWeight   = 0.2;  // weight of a new time in its average
+    static constexpr int32_t kProbeFirst   = 8;
+    static constexpr int32_t kProbeMax     = 256;
+
+private:
+    struct average { double value = 0.0; bool seen = false; void add(double x); };
+
+    int32_t best(int32_t n_min) const;
+    double  verify_ms(int32_t k) const;   // k tokens in one target decode; k = 1 is a plain step
+    double  draft_ms(int32_t n) const;
+    void    note_choice(int32_t n);
+
+    int32_t max_draft_;
+    std::vector<average> verify_;   // [k], k = 1..max_draft + 1
+    std::vector<average> draft_;    // [n], n = 1..max_draft
+    std::vector<double>  hits_, tries_;  // decayed counts per position [j], j = 1..max_draft
+    bool    plain_mode_ = false;
+    bool    probing_    = false;
+    int32_t countdown_  = 0;
+    int32_t interval_   = kProbeFirst;
+    policy_summary summary_;
+};
+
+} // namespace dflash
