@@ -98,16 +98,16 @@ def make_plan(draft_dir: Path, target: str | os.PathLike) -> Plan:
     tgt = read_target(target)
 
     if cfg.n_embd != tgt.hidden:
-        raise ConversionError(f"hidden size mismatch: the draft has hidden_size {cfg.n_embd}, "
+        raise ConversionError(f"{where}: hidden size mismatch: the draft has hidden_size {cfg.n_embd}, "
                               f"the target {tgt.path} has {tgt.hidden}")
     if cfg.n_vocab is not None and cfg.n_vocab != tgt.vocab:
-        raise ConversionError(f"vocab size mismatch: the draft has vocab_size {cfg.n_vocab}, "
+        raise ConversionError(f"{where}: vocab size mismatch: the draft has vocab_size {cfg.n_vocab}, "
                               f"the target {tgt.path} has {tgt.vocab} tokens")
     if cfg.mask_token_id >= tgt.vocab:
-        raise ConversionError(f"mask_token_id {cfg.mask_token_id} is outside the target's vocabulary "
-                              f"of {tgt.vocab} tokens")
+        raise ConversionError(f"{where}: mask_token_id {cfg.mask_token_id} is outside the vocabulary of "
+                              f"the target {tgt.path} ({tgt.vocab} tokens)")
     if cfg.n_layer_target is not None and cfg.n_layer_target != tgt.n_layer:
-        raise ConversionError(f"target depth mismatch: the draft was made for a target with "
+        raise ConversionError(f"{where}: target depth mismatch: the draft was made for a target with "
                               f"{cfg.n_layer_target} layers (num_target_layers), "
                               f"{tgt.path} has {tgt.n_layer}")
     ids = cfg.target_layer_ids
@@ -115,7 +115,7 @@ def make_plan(draft_dir: Path, target: str | os.PathLike) -> Plan:
         ids = L.default_target_layer_ids(cfg.n_layer_target or tgt.n_layer, cfg.n_layer)
     bad = [i for i in ids if not 0 <= i < tgt.n_layer]
     if bad:
-        raise ConversionError(f"target layer id {bad[0]} is out of range: the target {tgt.path} has "
+        raise ConversionError(f"{where}: target layer id {bad[0]} is out of range: the target {tgt.path} has "
                               f"{tgt.n_layer} layers (valid ids 0..{tgt.n_layer - 1})")
 
     if tgt.n_layer - 1 in ids:

@@ -186,10 +186,11 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
     }
 
     ggml_context * meta = nullptr;
-    gguf_init_params params = { /*no_alloc =*/ true, /*ctx =*/ &meta };
-    std::unique_ptr<gguf_context, void (*)(gguf_context *)> gguf(gguf_init_from_file(path.c_str(), params), &gguf_free);
+    std::string why;
+    std::unique_ptr<gguf_context, void (*)(gguf_context *)> gguf(open_gguf(path, &meta, why), &gguf_free);
     if (!gguf) {
-        fail(path, "not a readable GGUF file (bad magic, corrupt or truncated header)");
+        fail(path, "not a readable GGUF file (bad magic, corrupt or truncated header)" +
+                   (why.empty() ? "" : ": " + why));
     }
     draft.path    = path;
     draft.ctx     = meta;
@@ -240,18 +241,7 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
         l.ffn_down    = tensor(p + "ffn_down.weight",    { hp.n_ff, n_embd });
     }
 
-    // every tensor's bytes must lie inside the file before any buffer is sized from the header
-    const uint64_t file_size = std::filesystem::file_size(path, ec);
-    const size_t data_offset = gguf_get_data_offset(gguf.get());
-    for (int64_t i = 0; i < gguf_get_n_tensors(gguf.get()); ++i) {
-        const char * name = gguf_get_tensor_name(gguf.get(), i);
-        const uint64_t offset = data_offset + gguf_get_tensor_offset(gguf.get(), i);
-        const uint64_t nbytes = ggml_nbytes(ggml_get_tensor(meta, name));
-        if (offset > file_size || nbytes > file_size - offset) {
-            fail(path, "truncated: tensor '" + display_string(name) + "' ends at byte " + std::to_string(offset + nbytes) +
-                       " but the file has " + std::to_string(file_size));
-        }
-    }
+    check_tensors_in_file(gguf.get(), path);  // before any buffer is sized from the header
 
     // read every tensor's bytes from the file into one backend buffer
     draft.buf = ggml_backend_alloc_ctx_tensors_from_buft(meta, buft);
@@ -268,7 +258,7 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
     for (int64_t i = 0; i < gguf_get_n_tensors(gguf.get()); ++i) {
         const char * name = gguf_get_tensor_name(gguf.get(), i);
         ggml_tensor * t = ggml_get_tensor(meta, name);
-        const size_t offset = data_offset + gguf_get_tensor_offset(gguf.get(), i);
+        const size_t offset = gguf_get_data_offset(gguf.get()) + gguf_get_tensor_offset(gguf.get(), i);
         const size_t nbytes = ggml_nbytes(t);
         staging.resize(nbytes);
         if (std::fseek(f.get(), (long) offset, SEEK_SET) != 0 || std::fread(staging.data(), 1, nbytes, f.get()) != nbytes) {

@@ -103,18 +103,53 @@ gguf_value read_value(const gguf_context * ctx, int64_t id) {
     }
 }
 
-// Silences ggml's logger while gguf parses a file we already reported on by exception.
-struct quiet_ggml_log {
-    ggml_log_callback prev_cb = nullptr;
-    void *            prev_ud = nullptr;
-    quiet_ggml_log()  {
-        ggml_log_get(&prev_cb, &prev_ud);
-        ggml_log_set([](ggml_log_level, const char *, void *) {}, nullptr);
+// gguf's first error line, without its function-name prefix and newline.
+void keep_first_error(ggml_log_level level, const char * text, void * user_data) {
+    auto & why = *static_cast<std::string *>(user_data);
+    if (level != GGML_LOG_LEVEL_ERROR || !why.empty() || text == nullptr) {
+        return;
     }
-    ~quiet_ggml_log() { ggml_log_set(prev_cb, prev_ud); }
-};
+    std::string line = text;
+    const size_t colon = line.find(": ");
+    if (colon != std::string::npos && line.compare(0, 4, "gguf") == 0) {
+        line.erase(0, colon + 2);
+    }
+    while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) {
+        line.pop_back();
+    }
+    why = display_string(line, 200);
+}
 
 } // namespace
+
+gguf_context * open_gguf(const std::string & path, ggml_context ** meta, std::string & why) {
+    why.clear();
+    ggml_log_callback prev_cb = nullptr;
+    void * prev_ud = nullptr;
+    ggml_log_get(&prev_cb, &prev_ud);
+    ggml_log_set(keep_first_error, &why);
+    gguf_init_params params = { /*no_alloc =*/ true, /*ctx =*/ meta };
+    gguf_context * ctx = gguf_init_from_file(path.c_str(), params);
+    ggml_log_set(prev_cb, prev_ud);
+    return ctx;
+}
+
+void check_tensors_in_file(const gguf_context * ctx, const std::string & path) {
+    std::error_code ec;
+    const uint64_t file_size = std::filesystem::file_size(path, ec);
+    if (ec) {
+        fail(path, "cannot read file size: " + ec.message());
+    }
+    const uint64_t data_offset = gguf_get_data_offset(ctx);
+    for (int64_t i = 0; i < gguf_get_n_tensors(ctx); ++i) {
+        const uint64_t offset = data_offset + gguf_get_tensor_offset(ctx, i);  // gguf checked these add up
+        const uint64_t nbytes = gguf_get_tensor_size(ctx, i);
+        if (offset > file_size || nbytes > file_size - offset) {
+            fail(path, "truncated: tensor '" + display_string(gguf_get_tensor_name(ctx, i)) + "' ends at byte " +
+                       std::to_string(offset + nbytes) + " but the file has " + std::to_string(file_size));
+        }
+    }
+}
 
 gguf_file_info read_gguf_info(const std::string & path) {
     namespace fs = std::filesystem;
@@ -141,14 +176,11 @@ gguf_file_info read_gguf_info(const std::string & path) {
         }
     }
 
-    gguf_context * raw = nullptr;
-    {
-        quiet_ggml_log quiet;
-        gguf_init_params params = { /*no_alloc =*/ true, /*ctx =*/ nullptr };
-        raw = gguf_init_from_file(path.c_str(), params);
-    }
+    std::string why;
+    gguf_context * raw = open_gguf(path, nullptr, why);
     if (raw == nullptr) {
-        fail(path, "corrupt or truncated GGUF header (gguf could not parse the key-values or tensor table)");
+        fail(path, "corrupt or truncated GGUF header (gguf could not parse the key-values or tensor table)" +
+                   (why.empty() ? "" : ": " + why));
     }
     std::unique_ptr<gguf_context, void (*)(gguf_context *)> ctx(raw, &gguf_free);
 

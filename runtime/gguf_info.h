@@ -7,6 +7,7 @@
 #include <vector>
 
 struct gguf_context;
+struct ggml_context;
 
 namespace dflash {
 
@@ -41,6 +42,15 @@ struct gguf_file_info {
 // Throws std::invalid_argument naming the path and the reason: missing, unreadable, not a GGUF,
 // corrupt header, or truncated (tensor data extends past the end of the file).
 gguf_file_info read_gguf_info(const std::string & path);
+
+// gguf_init_from_file (no tensor data) with ggml's log kept quiet. Null when gguf cannot parse the
+// file; `why` then holds gguf's own first error, naming the key or tensor and the value it refused
+// ("tensor 'x' has offset 7, expected 0"), or "" when it gave none.
+gguf_context * open_gguf(const std::string & path, ggml_context ** meta, std::string & why);
+
+// Throws std::invalid_argument "<path>: truncated: tensor '<name>' ends at byte N but the file has M"
+// unless every tensor's bytes lie inside the file.
+void check_tensors_in_file(const gguf_context * ctx, const std::string & path);
 
 // --- checked reads of one GGUF's key-values (the draft loader and the target pre-check) ----------
 

@@ -138,15 +138,11 @@ void check_tensors(const gguf_context * ctx, const std::string & path) {
 } // namespace
 
 void check_target_gguf(const std::string & path) {
-    ggml_log_callback prev_cb = nullptr;
-    void * prev_ud = nullptr;
-    ggml_log_get(&prev_cb, &prev_ud);
-    ggml_log_set([](ggml_log_level, const char *, void *) {}, nullptr);  // llama.cpp reports a bad header itself
-    gguf_init_params params = { /*no_alloc =*/ true, /*ctx =*/ nullptr };
-    std::unique_ptr<gguf_context, void (*)(gguf_context *)> ctx(gguf_init_from_file(path.c_str(), params), &gguf_free);
-    ggml_log_set(prev_cb, prev_ud);
+    std::string why;
+    std::unique_ptr<gguf_context, void (*)(gguf_context *)> ctx(open_gguf(path, nullptr, why), &gguf_free);
     if (!ctx) {
-        throw std::invalid_argument(path + ": not a readable GGUF file (bad magic, corrupt or truncated header)");
+        throw std::invalid_argument(path + ": not a readable GGUF file (bad magic, corrupt or truncated header)" +
+                                    (why.empty() ? "" : ": " + why));
     }
     const gguf_keys kv{ctx.get(), path};
     if (!kv.has("general.architecture")) {
@@ -159,6 +155,7 @@ void check_target_gguf(const std::string & path) {
     check_attention(kv, arch, n_layer);
     check_tokens(kv);
     check_tensors(ctx.get(), path);
+    check_tensors_in_file(ctx.get(), path);  // llama.cpp's loader would fail without saying which
 }
 
 void check_target_causal(const llama_model * model, const std::string & path) {

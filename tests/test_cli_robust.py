@@ -125,8 +125,15 @@ def test_n_predict_past_the_context_ends_context_full(tiny_target_gguf, tiny_dra
 
 @pytest.mark.parametrize("threads", ["0", "-1"])
 def test_threads_zero_and_minus_one_mean_all_as_in_llama_cpp(tiny_target_gguf, tiny_draft_gguf, threads):
+    """-t 0 and -t -1 are accepted, documented as "all CPUs" (llama.cpp's meaning), and decode the same tokens;
+    -t -2 is refused (CPP_CASES)."""
+    usage = cpp_cli("--help")
+    assert usage.returncode == 0
+    assert "-t,  --threads N         CPU threads (default: 0 = all; -1 = all, as llama.cpp)\n" in usage.stdout.decode()
     doc = cpp_json(tiny_target_gguf, tiny_draft_gguf, "-p", "hi", "-n", "3", "-t", threads)
     assert doc["tokens"] == cpp_json(tiny_target_gguf, tiny_draft_gguf, "-p", "hi", "-n", "3")["tokens"]
+    rt = dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=int(threads), n_ctx=64)
+    assert rt.generate("hi", 3).tokens == doc["tokens"]
 
 
 # dflash-llama run / generate: argv after the subcommand's model flags, exit code, message

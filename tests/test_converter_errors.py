@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -50,7 +51,8 @@ def test_no_mask_token_id(draft, tiny_target_hf, tmp_path):
 def test_mask_token_id_outside_the_vocabulary(draft, tiny_target_hf, tmp_path):
     edit_config(draft, dflash_config={"mask_token_id": 49152})
     fails(draft, tiny_target_hf, tmp_path,
-          r"mask_token_id 49152 is outside the target's vocabulary of 49152 tokens")
+          r"draft/config\.json: mask_token_id 49152 is outside the vocabulary of the target .*tiny_target_hf\d* "
+          r"\(49152 tokens\)")
 
 
 def test_dflash2_is_not_supported_yet(draft, tiny_target_hf, tmp_path):
@@ -71,36 +73,42 @@ def test_hidden_size_mismatch(tiny_target_hf, tmp_path):
                                                    "vocab_size": 49152}))
     draft = fixtures.tiny_draft_hf(tmp_path / "draft32", other)  # hidden 32
     fails(draft, tiny_target_hf, tmp_path,
-          r"hidden size mismatch: the draft has hidden_size 32, the target .*tiny_target_hf\d* has 64")
+          r"draft32/config\.json: hidden size mismatch: the draft has hidden_size 32, the target "
+          r".*tiny_target_hf\d* has 64")
 
 
 def test_vocab_size_mismatch(draft, tiny_target_hf, tmp_path):
     edit_config(draft, vocab_size=151936)
     fails(draft, tiny_target_hf, tmp_path,
-          r"vocab size mismatch: the draft has vocab_size 151936, the target .* has 49152 tokens")
+          r"draft/config\.json: vocab size mismatch: the draft has vocab_size 151936, the target .* has 49152 "
+          r"tokens")
 
 
 def test_vocab_size_mismatch_against_a_gguf_target(draft, tiny_target_gguf, tmp_path):
     edit_config(draft, vocab_size=32000)
     fails(draft, tiny_target_gguf, tmp_path,
-          r"vocab size mismatch: the draft has vocab_size 32000, the target .*\.gguf has 49152 tokens")
+          r"draft/config\.json: vocab size mismatch: the draft has vocab_size 32000, the target .*\.gguf has "
+          r"49152 tokens")
 
 
 def test_target_layer_id_out_of_range(draft, tiny_target_hf, tmp_path):
     edit_config(draft, dflash_config={"mask_token_id": 0, "target_layer_ids": [4]})
     fails(draft, tiny_target_hf, tmp_path,
-          r"target layer id 4 is out of range: the target .* has 4 layers \(valid ids 0\.\.3\)")
+          r"draft/config\.json: target layer id 4 is out of range: the target .* has 4 layers \(valid ids 0\.\.3\)")
 
 
 def test_target_layer_id_out_of_range_against_a_gguf_target(draft, tiny_target_gguf, tmp_path):
     edit_config(draft, dflash_config={"mask_token_id": 0, "target_layer_ids": [-1]})
-    fails(draft, tiny_target_gguf, tmp_path, r"target layer id -1 is out of range: .* has 4 layers")
+    message = (f"{draft / 'config.json'}: target layer id -1 is out of range: the target {tiny_target_gguf} has "
+               "4 layers (valid ids 0..3)")
+    fails(draft, tiny_target_gguf, tmp_path, f"^{re.escape(message)}$")  # names the file holding the bad id
 
 
 def test_draft_made_for_a_deeper_target(draft, tiny_target_hf, tmp_path):
     edit_config(draft, num_target_layers=36)
     fails(draft, tiny_target_hf, tmp_path,
-          r"target depth mismatch: the draft was made for a target with 36 layers \(num_target_layers\)")
+          r"draft/config\.json: target depth mismatch: the draft was made for a target with 36 layers "
+          r"\(num_target_layers\)")
 
 
 def test_fc_width_must_match_the_taps(draft, tiny_target_hf, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -50,14 +51,15 @@ def tensor_data(path: Path, name: str) -> np.ndarray:
 
 
 def refused(message: str, target: Path, draft: Path | None = None) -> None:
-    """Runtime(...) and the CLI both refuse with exactly `message` (one line)."""
+    """Runtime(...) raises ValueError(`message`) (no abort: it would take this process down) and the CLI
+    prints exactly that one line and exits 2 (an input error, the convention of every CLI)."""
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         dflash_llama.Runtime(target, draft, n_threads=1, n_ctx=64)
     args = ["-m", str(target)] + (["-md", str(draft)] if draft else ["--no-draft"])
     res = subprocess.run([str(paths.tool("llama-dflash-cli")), *args, "-p", "hi", "-n", "2", "-t", "1"],
                          capture_output=True, text=True, timeout=120)
-    assert res.returncode in (1, 2), res.stderr
-    assert res.stderr.strip().splitlines()[-1] == f"llama-dflash-cli: error: {message}"
+    assert (res.returncode, res.stdout) == (2, ""), res.stderr
+    assert res.stderr == f"llama-dflash-cli: error: {message}\n"
 
 
 # --- the draft ------------------------------------------------------------------------------------
@@ -146,6 +148,47 @@ def test_a_draft_tensor_with_an_extra_dimension_is_refused(tiny_draft_gguf, tiny
     refused(f"{bad}: tensor '{name}' has ne[1] = 2, expected 1 dimensions", tiny_target_gguf, bad)
 
 
+def with_tensor_offset(src: Path, dst: Path, name: str, offset: int) -> tuple[Path, int]:
+    """`dst` = `src` with tensor `name`'s data offset (in its tensor-info entry) set to `offset`; returns
+    (dst, the offset it had)."""
+    info = next(t for t in GGUFReader(str(src)).tensors if t.name == name).field
+    at = info.offset + sum(part.nbytes for part in info.parts[:-1])  # the offset is the entry's last part
+    raw = bytearray(src.read_bytes())
+    old = int.from_bytes(raw[at:at + 8], "little")
+    raw[at:at + 8] = offset.to_bytes(8, "little")
+    dst.write_bytes(raw)
+    return dst, old
+
+
+@pytest.mark.parametrize("shift", ["misaligned", "another tensor's", "past the end"])
+def test_a_draft_tensor_offset_is_checked(shift, tiny_draft_gguf, tiny_target_gguf, tmp_path):
+    """gguf refuses offsets that do not tile the data section; the message says which tensor and why."""
+    name = "blk.0.attn_q.weight"
+    _, old = with_tensor_offset(tiny_draft_gguf, tmp_path / "probe.gguf", name, 0)
+    offset = {"misaligned": old + 1, "another tensor's": 0, "past the end": 2**40}[shift]
+    bad, _ = with_tensor_offset(tiny_draft_gguf, tmp_path / "bad.gguf", name, offset)
+    refused(f"{bad}: not a readable GGUF file (bad magic, corrupt or truncated header): tensor '{name}' has offset "
+            f"{offset}, expected {old}", tiny_target_gguf, bad)
+
+
+@pytest.mark.parametrize("which", ["draft", "target"])
+def test_truncated_tensor_data_names_the_tensor(which, tiny_draft_gguf, tiny_target_gguf, tmp_path):
+    src = tiny_draft_gguf if which == "draft" else tiny_target_gguf
+    reader = GGUFReader(str(src))
+    first = min(reader.tensors, key=lambda t: t.data_offset)
+    size = first.data_offset + 1000  # inside the first tensor's bytes
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(src.read_bytes()[:size])
+    # the first tensor of the file's table whose bytes pass the end of the file
+    cut = next(t for t in reader.tensors if t.data_offset + t.n_bytes > size)
+    message = (f"{bad}: truncated: tensor '{cut.name}' ends at byte {cut.data_offset + cut.n_bytes} but the file "
+               f"has {size}")
+    if which == "draft":
+        refused(message, tiny_target_gguf, bad)
+    else:  # the target pre-check: llama.cpp's loader would say "failed to load model" without naming a tensor
+        refused(message, bad)
+
+
 # --- the target: what llama.cpp's loader would assert on ------------------------------------------
 
 TARGET_KEYS = {
@@ -203,6 +246,39 @@ def test_a_non_causal_target_is_refused(tiny_target_gguf, tiny_draft_gguf, tmp_p
     refused(f"{bad}: qwen3: qwen3.attention.causal is false, expected a causal target (the verify would let "
             "each drafted token see the ones after it, so speculative output would differ from plain decoding)",
             bad, tiny_draft_gguf)
+
+
+def test_a_non_causal_target_is_refused_without_a_draft_too(tiny_target_gguf, tmp_path):
+    """Refused when loaded, whatever the request: plain decoding of it would not be a causal LM either."""
+    bad = rewrite(tiny_target_gguf, tmp_path / "bidirectional.gguf", kv={"qwen3.attention.causal": (False, V.BOOL)})
+    refused(f"{bad}: qwen3: qwen3.attention.causal is false, expected a causal target (the verify would let "
+            "each drafted token see the ones after it, so speculative output would differ from plain decoding)",
+            bad)
+
+
+CHILD = """
+import sys, dflash_llama
+try:
+    dflash_llama.Runtime(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None, n_threads=1, n_ctx=64)
+except ValueError as e:
+    print("ValueError:", e)
+"""
+
+
+@pytest.mark.parametrize("which", ["draft", "target"])
+def test_a_python_process_survives_a_corrupt_file(which, tiny_draft_gguf, tiny_target_gguf, tmp_path):
+    """The inputs that aborted a Python process calling Runtime(...) (rc 134): a ValueError it can catch."""
+    if which == "draft":  # an I32 matrix: was a segfault in ggml_compute_forward_mul_mat
+        name = "blk.0.attn_q.weight"
+        bad = rewrite(tiny_draft_gguf, tmp_path / "bad.gguf",
+                      tensors={name: tensor_data(tiny_draft_gguf, name).astype(np.int32)})
+        argv, message = [tiny_target_gguf, bad], f"{bad}: tensor '{name}': type i32, expected {MATRIX_TYPES}"
+    else:  # block_count 0: was llama.cpp's assert
+        bad = rewrite(tiny_target_gguf, tmp_path / "bad.gguf", kv={"qwen3.block_count": (0, V.UINT32)})
+        argv, message = [bad], f"{bad}: qwen3.block_count: u32 0, expected an integer in 1..512"
+    res = subprocess.run([sys.executable, "-c", CHILD, *map(str, argv)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == f"ValueError: {message}\n"
 
 
 def test_a_causal_flag_that_is_true_loads(tiny_target_gguf, tmp_path):
