@@ -6,6 +6,11 @@ native DFlash and n-gram speculation, measured side by side in one run.
 writes bench.json, bench.md and the PNG plots into --out. With no -m / -md it runs the embedded
 default pair (SmolLM2-135M-Instruct and its DFlash draft). Exits 3 when a row of our runtime is not
 exact (its tokens differ from plain greedy decoding).
+
+    dflash-llama bench --target-types Q4_1,Q8_0,F16 [-m T.gguf -md D] --out reports/NAME/
+
+sweeps the target's weight type instead (bench/target_types.py): only the sweep, unless --server,
+--native or --ngram-types ask for the rest of the benchmark as well.
 """
 
 from __future__ import annotations
@@ -18,10 +23,17 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_llama.cli_args import EXIT_INEXACT, add_generation_args, add_model_args, finite_float, threads
+from dflash_llama.cli_args import (
+    EXIT_INEXACT,
+    add_generation_args,
+    add_model_args,
+    finite_float,
+    parse_draft_max,
+    threads,
+)
 from dflash_llama.paths import portable
 
-from .cost_model import parse_draft_max
+from .target_types import inexact_rows, parse_types
 
 # Chosen so that the full default run (all methods, the cost model, the server at three
 # concurrency levels) of the default pair fits in 20 minutes on the 2-core development machine;
@@ -58,11 +70,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drafted tokens verified per step at the draft's block size: 'auto' (default: the "
                         "cost model's pick) or N")
     p.add_argument("--out", help="output folder (default: reports/<draft name>/)")
-    p.add_argument("--ngram-types", default=",".join(_ngram_types()),
-                   help="llama.cpp n-gram spec types to run, comma separated, or 'none' (default: all)")
-    p.add_argument("--no-native", action="store_true", help="skip llama.cpp's native DFlash")
-    p.add_argument("--server", action=argparse.BooleanOptionalAction, default=True,
-                   help="also benchmark llama-server with native DFlash at --server-concurrency (default: on)")
+    p.add_argument("--ngram-types",
+                   help="llama.cpp n-gram spec types to run, comma separated, or 'none' (default: all; "
+                        "none with --target-types)")
+    p.add_argument("--native", action=argparse.BooleanOptionalAction,
+                   help="run llama.cpp's native DFlash (default: on; off with --target-types)")
+    p.add_argument("--server", action=argparse.BooleanOptionalAction,
+                   help="also benchmark llama-server with native DFlash at --server-concurrency "
+                        "(default: on; off with --target-types)")
+    p.add_argument("--target-types", type=parse_types,
+                   help="sweep the target's weight type, e.g. Q4_1,Q8_0,F16: each made from -m with the pinned "
+                        "llama-quantize --allow-requantize (cached), then plain decoding, DFlash auto and the cost "
+                        "model's pick side by side; alone, the run does only the sweep")
     p.add_argument("--server-concurrency", default="1,2,4", type=lambda t: _int_list(t, "--server-concurrency", 1),
                    help="concurrent requests per serving level (default 1,2,4)")
     p.add_argument("--server-prompts", type=int, default=8,
@@ -100,17 +119,33 @@ def command_line(args: argparse.Namespace, target: str, draft_arg: str | None, o
     parts = ["dflash-llama", "bench", "-m", target]
     if draft_arg:
         parts += ["-md", draft_arg]
-    parts += ["--prompts", args.prompts, "--limit", str(args.limit), "-n", str(args.n_predict),
-              "--block-sizes", ",".join(map(str, args.block_sizes)), "--draft-max", str(args.draft_max),
-              "-t", str(args.threads), "-c", str(args.ctx_size), "--ngram-types", args.ngram_types,
-              "--pilot-prompts", str(args.pilot_prompts), "--calibration-tokens", str(args.calibration_tokens)]
-    if args.no_native:
-        parts.append("--no-native")
-    parts += ["--server", "--server-concurrency", ",".join(map(str, args.server_concurrency)),
-              "--server-prompts", str(args.server_prompts)] if args.server else ["--no-server"]
+    parts += ["--prompts", args.prompts, "--limit", str(args.limit), "-n", str(args.n_predict)]
+    if args.target_types:
+        parts += ["--target-types", ",".join(args.target_types)]
+    if args.full_bench:
+        parts += ["--block-sizes", ",".join(map(str, args.block_sizes)), "--draft-max", str(args.draft_max)]
+    parts += ["-t", str(args.threads), "-c", str(args.ctx_size)]
+    if args.full_bench:
+        parts += ["--ngram-types", args.ngram_types, "--native" if args.native else "--no-native"]
+    parts += ["--pilot-prompts", str(args.pilot_prompts), "--calibration-tokens", str(args.calibration_tokens)]
+    if args.full_bench:
+        parts += ["--server", "--server-concurrency", ",".join(map(str, args.server_concurrency)),
+                  "--server-prompts", str(args.server_prompts)] if args.server else ["--no-server"]
     parts += ["--budget-min", f"{args.budget_min:g}"]
     parts += ["--out", str(out)]
     return " ".join(shlex.quote(x) for x in parts)
+
+
+def _components(args: argparse.Namespace) -> None:
+    """Resolve --native, --server and --ngram-types: on by default, off with --target-types unless
+    asked; `args.full_bench`: whether the benchmark beyond the sweep runs."""
+    sweep = bool(args.target_types)
+    asked = args.native is True or args.server is True or args.ngram_types not in (None, "none")
+    args.full_bench = not sweep or asked
+    on = not sweep
+    args.native = on if args.native is None else args.native
+    args.server = on if args.server is None else args.server
+    args.ngram_types = args.ngram_types or (",".join(_ngram_types()) if on else "none")
 
 
 def _check(args: argparse.Namespace) -> list[str]:
@@ -133,10 +168,11 @@ def run(args: argparse.Namespace) -> tuple[dict, Path]:
 
     from dflash_llama import fixtures, prompts as prompt_sets
 
-    from . import plots, report
+    from . import plots, report, target_types
     from .runner import Bench, Settings
 
     args.threads = threads(args.threads)  # the peers take a count: the report records it
+    _components(args)
     ngram = _check(args)
     started = time.monotonic()
     target = args.target or str(fixtures.smollm2_gguf())
@@ -152,7 +188,7 @@ def run(args: argparse.Namespace) -> tuple[dict, Path]:
     pilot = prompt_sets.spread(rest, args.pilot_prompts) if rest else chosen[: args.pilot_prompts]
     settings = Settings(target=target, draft=draft, prompts=chosen, pilot=pilot, n_predict=args.n_predict,
                         block_sizes=args.block_sizes, draft_max=args.draft_max, threads=args.threads,
-                        n_ctx=args.ctx_size, ngram_types=ngram, native=not args.no_native, server=args.server,
+                        n_ctx=args.ctx_size, ngram_types=ngram, native=args.native, server=args.server,
                         server_concurrency=args.server_concurrency, server_prompts=args.server_prompts,
                         calibration_tokens=args.calibration_tokens,
                         deadline=started + 60.0 * args.budget_min if args.budget_min > 0 else None)
@@ -163,11 +199,19 @@ def run(args: argparse.Namespace) -> tuple[dict, Path]:
         bar.update(n)
         bar.set_postfix_str(what[:48], refresh=False)
 
+    retotal = lambda extra: setattr(bar, "total", bar.total + extra)  # noqa: E731
+    res = None
     try:
-        bench = Bench(settings, progress)
-        bar.total = sum(bench.count_runs().values())
-        bench.retotal = lambda extra: setattr(bar, "total", bar.total + extra)
-        res = bench.run()
+        if args.full_bench:
+            bench = Bench(settings, progress)
+            bar.total = sum(bench.count_runs().values())
+            bench.retotal = retotal
+            res = bench.run()
+        if args.target_types:
+            t0 = time.time()
+            sweep = target_types.run_sweep(settings, args.target_types, progress, retotal)
+            res = res or target_types.result(settings, t0)
+            res["target_types"] = sweep
     finally:
         bar.close()
     command = command_line(args, target, args.draft, out)
@@ -188,14 +232,24 @@ def main(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, old_term)
     print(f"wrote {out}/bench.md, bench.json and the plots ({res['meta']['command_wall_s'] / 60:.1f} min)")
-    for it in res["summary"].values():
+    for it in res.get("summary", {}).values():
         print(f"  {it['label']:<44} {it['tokens_per_second'] or 0:8.1f} tok/s  "
               f"x{it['speedup_vs_llama-completion'] or 0:.2f} vs llama-completion  exact {it['exact']}/{it['prompts']}")
-    inexact = [r for r in res["rows"] if r["impl"] == "dflash-llama" and r["kind"] == "dflash" and r["exact"] is False]
+    sweep = res.get("target_types")
+    for t in sweep["by_type"] if sweep else []:
+        auto, pick = t["methods"]["dflash-auto"], t["methods"]["dflash-pick"]
+        print(f"  target {t['type']:<6} plain {t['methods']['runtime-ar']['tokens_per_second'] or 0:7.1f} tok/s  "
+              f"auto x{auto['ratio_vs_runtime_ar'] or 0:.2f}  pick N={t['pick']} "
+              f"x{pick['ratio_vs_runtime_ar'] or 0:.2f}  exact {auto['exact'] + pick['exact']}/"
+              f"{auto['prompts'] + pick['prompts']}")
+    inexact = [(r["label"], r["prompt"], f"{r['first_difference_unit']} {r['first_difference']}")
+               for r in res.get("rows", [])
+               if r["impl"] == "dflash-llama" and r["kind"] == "dflash" and r["exact"] is False]
+    inexact += [(f"{r['method']} on target type {r['type']}", r["prompt"], f"token {r['first_difference']}")
+                for r in (inexact_rows(sweep) if sweep else [])]
     if inexact:
-        r = inexact[0]
-        where = f"{r['first_difference_unit']} {r['first_difference']}"
+        label, prompt, where = inexact[0]
         print(f"dflash-llama bench: error: {len(inexact)} speculative rows of our runtime differ from plain greedy "
-              f"decoding (first: {r['label']} on {r['prompt']}, at {where})", file=sys.stderr)
+              f"decoding (first: {label} on {prompt}, at {where})", file=sys.stderr)
         return EXIT_INEXACT
     return 0

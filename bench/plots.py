@@ -163,7 +163,8 @@ def cost_model(res: dict, path: Path) -> Path:
     fig, ax1 = plt.subplots(figsize=(10, 4.4))
     ns = [p["n_draft"] for p in preds]
     ax2 = ax1.twinx()  # step time bars behind the speed lines
-    ax2.bar(ns, [c["step_ms"] for c in cm["costs"]], color="gray", alpha=0.18, label="step time (ms, right axis)")
+    ax2.bar([c["n_draft"] for c in cm["costs"]], [c["step_ms"] for c in cm["costs"]], color="gray", alpha=0.18,
+            label="step time (ms, right axis)")  # every measured N, also those beyond the acceptance curve
     ax2.set_ylabel("step time, ms")
     ax1.plot(ns, [p["tokens_per_second"] for p in preds], marker="o", color=OURS, label="predicted (pilot prompts)")
     post = cm.get("predictions_bench_acceptance")
@@ -195,11 +196,60 @@ def cost_model(res: dict, path: Path) -> Path:
     return path
 
 
+def target_types(res: dict, path: Path) -> Path:
+    """The `--target-types` sweep: DFlash / plain decoding per type (auto and the pick), and the cost
+    of verifying k tokens in units of one decode per type."""
+    sweep = res["target_types"]
+    by = sweep["by_type"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12.5, 4.6))
+    xs = np.arange(len(by))
+    auto = "DFlash auto" + ("" if sweep["auto_request"] else " (the runtime's default draft_max)")
+    for i, (key, name, color) in enumerate((("dflash-auto", auto, OURS),
+                                            ("dflash-pick", "DFlash, the cost model's pick", "tab:cyan"))):
+        ys = [t["methods"][key]["ratio_vs_runtime_ar"] or np.nan for t in by]
+        bars = ax1.bar(xs - 0.2 + 0.4 * i, ys, 0.4, color=color, label=name)
+        ax1.bar_label(bars, labels=[f"{y:.2f}" if y == y else "" for y in ys], fontsize=8, padding=2)
+    ax1.axhline(1.0, color="black", lw=1, label="plain decoding")
+    ax1.set_xticks(xs)
+    ax1.set_xticklabels([f"{t['type']}\nN={t['pick']}" for t in by])
+    ax1.set_ylabel("speed / our plain decoding (all tokens)")
+    ax1.set_title("DFlash / plain decoding, by target type")
+    ax1.set_ylim(0, 1.25 * max([1.0] + [t["methods"][k]["ratio_vs_runtime_ar"] or 0 for t in by
+                                        for k in ("dflash-auto", "dflash-pick")]))
+    ax1.legend(fontsize=8, loc="upper right")
+    ax1.grid(axis="y", alpha=0.3)
+    top = 1
+    cmap = plt.get_cmap("tab10")
+    for i, t in enumerate(by):
+        pts = sorted((int(k), v) for k, v in t["verify_cost"].items())
+        pts = [(1, 1.0)] + pts  # one token: one decode
+        top = max(top, pts[-1][0])
+        ax2.plot([k for k, _ in pts], [v for _, v in pts], marker="o", ms=4, color=cmap(i), label=t["type"])
+    ks = np.arange(1, top + 1)
+    ax2.plot(ks, ks, color="gray", ls="--", lw=1, label="k decodes (no gain from batching)")
+    ax2.axhline(1.0, color="gray", ls=":", lw=1, label="one decode (free verify)")
+    ax2.set_xticks(ks)
+    ax2.set_xlabel("tokens verified in one target decode, k")
+    ax2.set_ylabel("cost, in plain decode steps")
+    ax2.set_title("Verify cost (our runtime's timed steps)")
+    ax2.set_ylim(bottom=0)
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3)
+    fig.suptitle(f"Target weight types, -n {res['settings']['n_predict']}, {res['settings']['threads']} threads, "
+                 f"{len(sweep['prompts'])} prompts")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
 def draw_all(res: dict, out: Path) -> list[str]:
     out = Path(out)
     made = [acceptance_length(res, out / "acceptance_length.png"),
             acceptance_by_position(res, out / "acceptance_by_position.png"),
             speed_by_block_size(res, out / "speed_by_block_size.png"),
             per_prompt_speedup(res, out / "per_prompt_speedup.png"),
-            cost_model(res, out / "cost_model.png")]
+            cost_model(res, out / "cost_model.png")] if "summary" in res else []
+    if res.get("target_types"):
+        made.append(target_types(res, out / "target_types.png"))
     return [p.name for p in made]

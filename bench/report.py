@@ -15,7 +15,82 @@ def _yes(x: bool) -> str:
     return "yes" if x else "**no**"
 
 
+def _method_cells(m: dict) -> str:
+    return (f"{_f(m['tokens_per_second'])} | {_f(m['ratio_vs_runtime_ar'], 2, 'x')} | "
+            f"{_f(m['median_prompt_ratio_vs_runtime_ar'], 2, 'x')} | {_f(m.get('tau'), 2)}")
+
+
+def target_types_section(sweep: dict) -> list[str]:
+    """The `--target-types` sweep: per type, decode and verify costs, the pick, DFlash / plain, exactness."""
+    L: list[str] = []
+    add = L.append
+    add("## Target weight types (`--target-types`)\n")
+    auto = ", ".join(f"{k}={v!r}" for k, v in sweep["auto_request"].items())
+    auto = f"`Runtime.generate(..., {auto})`" if auto else "`Runtime.generate` with no draft_max (the runtime's default)"
+    add(f"Each type's target is made from `{Path(sweep['source']).name}` ({sweep['source_type'] or 'type not declared'}) "
+        f"with the pinned `llama-quantize --allow-requantize` (cached; the input's own type is used as it is), "
+        f"so every type carries the input's rounding. Per type, on {len(sweep['prompts'])} prompts "
+        f"({', '.join(sweep['prompts'])}), side by side in a rotated order: our plain decoding, DFlash "
+        f"`auto` ({auto}) and DFlash at the cost model's pick (draft block "
+        f"{sweep['block_size']}); ratios are to our plain decoding of the same type in this run.\n")
+    if sweep["stopped_by_budget"]:
+        add(f"**the time budget stopped the sweep after {len(sweep['prompts'])} of {sweep['prompts_planned']} "
+            f"prompts** (every type and method ran on each of them)\n")
+    add(f"Decode and verify costs: {sweep['verify_source']}; verify k = t_verify(k tokens) / t_decode "
+        f"(1 = free, k = as dear as k decodes).\n")
+    add("| target type | made | tensors | decode tok/s | verify 2 | verify 4 | verify 8 | pick N | pick predicted tok/s |")
+    add("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for t in sweep["by_type"]:
+        v = t["verify_cost"]
+        tensors = ", ".join(f"{n} {k}" for k, n in t["tensor_types"].items())
+        beats = "" if t["pick_predicted_beats_plain"] else " (below plain)"
+        add(f"| {t['type']} | {'requantized' if t['requantized'] else 'the input'} | {tensors} | "
+            f"{_f(t['decode_tokens_per_second'])} | {_f(v.get('2'), 2)} | {_f(v.get('4'), 2)} | {_f(v.get('8'), 2)} | "
+            f"{t['pick']} | {_f(t['pick_predicted_tokens_per_second'])}{beats} |")
+    add("")
+    add("| target type | plain tok/s | auto tok/s | auto / plain | median/prompt | tau | pick tok/s | pick / plain "
+        "| median/prompt | tau | exact |")
+    add("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for t in sweep["by_type"]:
+        m = t["methods"]
+        a, p = m["dflash-auto"], m["dflash-pick"]
+        exact = f"{a['exact'] + p['exact']}/{a['prompts'] + p['prompts']}" + (
+            "" if a["all_exact"] and p["all_exact"] else " **not all**")
+        add(f"| {t['type']} | {_f(m['runtime-ar']['tokens_per_second'])} | {_method_cells(a)} | {_method_cells(p)} | "
+            f"{exact} |")
+    add("")
+    add("Every row (exact: the DFlash tokens equal the plain decoding's of the same type and prompt):\n")
+    add("| target type | prompt | method | tokens | tok/s | tau | exact | first diff |")
+    add("|---|---|---|---:|---:|---:|---|---:|")
+    for r in sweep["rows"]:
+        exact = "" if r["method"] == "runtime-ar" else _yes(r["exact"])
+        diff = "" if r.get("first_difference") is None else f"token {r['first_difference']}"
+        add(f"| {r['type']} | {r['prompt']} | {r['method']} | {r['n_tokens']} | {_f(r['tokens_per_second'])} | "
+            f"{_f(r.get('tau'), 2)} | {exact} | {diff} |")
+    add("")
+    return L
+
+
+def _render_target_types_only(res: dict, command: str, plots: list[str]) -> str:
+    s, meta, sweep = res["settings"], res["meta"], res["target_types"]
+    L = [f"# Benchmark: target weight types, {Path(s['target']).name} + {Path(s['draft']).name}\n",
+         "Produced by\n", f"```\n{command}\n```\n"]
+    budget = s.get("budget_min")
+    L.append(f"- started {meta['started']}; the whole command took {meta['command_wall_s'] / 60:.1f} min"
+             + (f" (budget {budget:g} min)" if budget else ""))
+    L.append(f"- machine: {meta['cpu']}, {meta['nproc']} CPUs ({meta['affinity']} usable), {meta['platform']}; "
+             f"load average {meta['loadavg_end']} at the end")
+    L.append(f"- dflash-llama {meta['dflash_llama']}, llama.cpp {meta['llama_cpp']}")
+    L.append(f"- -n {s['n_predict']} tokens, greedy, {s['threads']} threads, context {s['n_ctx']}; cost model on "
+             f"{', '.join(s['pilot_prompts'])} ({s['calibration_tokens']}-token runs per N)\n")
+    L += target_types_section(sweep)
+    L += [f"![{p}]({p})\n" for p in plots]
+    return "\n".join(L) + "\n"
+
+
 def render(res: dict, command: str, plots: list[str]) -> str:
+    if "summary" not in res:
+        return _render_target_types_only(res, command, plots)
     s, meta, summ = res["settings"], res["meta"], res["summary"]
     L: list[str] = []
     add = L.append
@@ -131,6 +206,9 @@ def render(res: dict, command: str, plots: list[str]) -> str:
                 f"{lat['max']:.2f} | {_f(100 * acc if acc is not None else None, 1, '%')} | "
                 f"{lv['exact']}/{lv['requests']} |")
         add("")
+
+    if res.get("target_types"):
+        L += target_types_section(res["target_types"])
 
     add("## Plots\n")
     for p in plots:

@@ -219,9 +219,13 @@ def server_command(target, *, port: int, threads: int, n_ctx: int, n_parallel: i
     return cmd + list(extra_args)
 
 
-def quantize(src, dst, qtype: str, timeout_s: float = 600.0) -> None:
-    """`llama-quantize src dst QTYPE`; PeerError with the tool's last lines if it fails."""
-    _checked([str(paths.tool("llama-quantize")), os.fspath(src), os.fspath(dst), qtype.upper()], timeout_s)
+def quantize(src, dst, qtype: str, *, allow_requantize: bool = False, threads: int | None = None,
+             timeout_s: float = 600.0) -> None:
+    """`llama-quantize [--allow-requantize] src dst QTYPE [threads]`; PeerError with the tool's last
+    lines if it fails. Without `allow_requantize` the tool refuses an already quantized `src`."""
+    cmd = [str(paths.tool("llama-quantize")), *(["--allow-requantize"] if allow_requantize else []),
+           os.fspath(src), os.fspath(dst), qtype.upper(), *([str(threads)] if threads else [])]
+    _checked(cmd, timeout_s)
 
 
 def _outputs(run: ToolRun) -> tuple[str, str]:
