@@ -124,7 +124,7 @@ MATRIX_TYPES = ("a float or quantised matrix type (f32, f16, bf16, q8_0, q4_0, q
     ("fc.weight", np.int8, f"type i8, expected {MATRIX_TYPES}"),
     ("blk.0.attn_norm.weight", np.float16, "type f16, expected f32 (a norm or 1-D weight)"),  # was an abort
     ("blk.0.attn_k_norm.weight", np.int32, "type i32, expected f32 (a norm or 1-D weight)"),
-])
+], ids=["i32 matrix", "i8 fc", "f16 norm", "i32 norm"])
 def test_a_draft_tensor_of_the_wrong_type_is_refused(name, dtype, expected, tiny_draft_gguf, tiny_target_gguf,
                                                       tmp_path):
     data = tensor_data(tiny_draft_gguf, name).astype(dtype)
@@ -232,7 +232,7 @@ def test_a_target_with_two_equal_token_strings_is_refused(tiny_target_gguf, tmp_
     ("token_embd.weight", np.int32, f"type i32, expected {MATRIX_TYPES}"),    # was an abort in get_rows
     ("blk.0.attn_norm.weight", np.float16, "type f16, expected f32 (a norm or 1-D weight)"),
     ("blk.1.attn_q_norm.weight", np.float16, "type f16, expected f32 (a norm or 1-D weight)"),
-])
+], ids=["i32 matrix", "i32 embedding", "f16 norm", "f16 q norm"])
 def test_a_target_tensor_of_the_wrong_type_is_refused(name, dtype, expected, tiny_target_gguf, tmp_path):
     data = tensor_data(tiny_target_gguf, name).astype(dtype)
     bad = rewrite(tiny_target_gguf, tmp_path / "bad.gguf", tensors={name: data})
