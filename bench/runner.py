@@ -205,7 +205,7 @@ class Bench:
         first = self.tokens[self.s.prompts[0].id]
         self.rt.autoregressive(first, 8, stop_at_eog=False)
         self.progress(1, "warm-up")
-        self.rt.generate(first, 8, stop_at_eog=False)
+        self.rt.generate(first, 8, draft_max=None, stop_at_eog=False)
         self.progress(1, "warm-up")
 
     def cost_model(self) -> dict:
@@ -214,7 +214,7 @@ class Bench:
         pilot = [self.tokens[p.id] for p in self.s.pilot]
         steps = []
         for toks in pilot:  # the acceptance curve at the trained block, full -n
-            g = self.rt.generate(toks, self.s.n_predict, block_size=b)
+            g = self.rt.generate(toks, self.s.n_predict, block_size=b, draft_max=None)  # the whole block
             steps += g.steps
             self.progress(1, "cost model: acceptance")
         costs, gens = cost_model.calibrate(self.rt, pilot, list(range(1, b)), block_size=b,

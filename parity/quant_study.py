@@ -65,7 +65,7 @@ def run_study(target: Path, draft_hf: Path, work: Path, prompts: list, n_predict
             taus, native_taus = [], []
             for p in prompts:
                 tokens = keep_last(rt_e2e.tokenize(p.text), 192)
-                taus.append(rt_e2e.generate(tokens, n_predict, stop_at_eog=False).tau)
+                taus.append(rt_e2e.generate(tokens, n_predict, draft_max=None, stop_at_eog=False).tau)
                 if native:
                     try:
                         ns = peers.speculative(target, rt_e2e.detokenize(tokens), n_predict, "draft-dflash",

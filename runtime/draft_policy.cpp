@@ -122,8 +122,16 @@ int32_t draft_policy::choose() {
     return n;
 }
 
+void draft_policy::decay() {
+    for (int32_t j = 1; j <= max_draft_; ++j) {
+        hits_[j]  *= kDecay;
+        tries_[j] *= kDecay;
+    }
+}
+
 void draft_policy::observe_plain(double t_ms) {
     verify_[1].add(t_ms);
+    decay();
 }
 
 void draft_policy::observe_draft(int32_t n, int32_t accepted, double t_draft_ms, double t_verify_ms) {
@@ -133,10 +141,7 @@ void draft_policy::observe_draft(int32_t n, int32_t accepted, double t_draft_ms,
     }
     draft_[n].add(t_draft_ms);
     verify_[n + 1].add(t_verify_ms);
-    for (int32_t j = 1; j <= max_draft_; ++j) {
-        hits_[j]  *= kDecay;
-        tries_[j] *= kDecay;
-    }
+    decay();
     for (int32_t j = 1; j <= std::min(accepted + 1, n); ++j) {
         tries_[j] += 1.0;
         hits_[j]  += j <= accepted ? 1.0 : 0.0;

@@ -11,7 +11,8 @@
 // steps: the interval doubles while probes do not pay and starts again at 8 when one does. The
 // first step is plain (it measures t_plain), the second drafts (it measures the rest).
 // Costs are exponential averages per size; sizes not yet seen are interpolated linearly between
-// seen ones. Acceptance counts decay (by kDecay per drafting step) so that they follow the text.
+// seen ones. Acceptance counts decay (by kDecay a step, plain steps too) so that they follow the text
+// and a probe after a long plain stretch is judged mostly on what it sees.
 #pragma once
 
 #include <cstdint>
@@ -62,6 +63,7 @@ private:
     double  verify_ms(int32_t k) const;   // k tokens in one target decode; k = 1 is a plain step
     double  draft_ms(int32_t n) const;
     void    note_choice(int32_t n);
+    void    decay();
 
     int32_t max_draft_;
     std::vector<average> verify_;   // [k], k = 1..max_draft + 1

@@ -62,15 +62,22 @@ def assert_same(spec, ar, where: str):
         assert 1 <= s.produced <= s.accepted + 1
 
 
-def test_tiny_pair_fifty_prompts_all_block_sizes(tiny_runtime):
+# None: the whole block every step; "auto": the adaptive loop (plain steps and drafting steps mixed)
+DRAFT_MAX = [None, "auto"]
+
+
+@pytest.mark.parametrize("draft_max", DRAFT_MAX)
+def test_tiny_pair_fifty_prompts_all_block_sizes(tiny_runtime, draft_max):
     prompts = humaneval_prompts(40) + OTHER_PROMPTS
     assert len(prompts) == 50
     for i, prompt in enumerate(prompts):
         block = 2 + i % 15  # block sizes 2..16
         ar = tiny_runtime.autoregressive(prompt, 24)
-        spec = tiny_runtime.generate(prompt, 24, block_size=block)
-        assert_same(spec, ar, f"prompt {i}, block {block}")
+        spec = tiny_runtime.generate(prompt, 24, block_size=block, draft_max=draft_max)
+        assert_same(spec, ar, f"prompt {i}, block {block}, draft_max {draft_max}")
         assert all(len(s.drafted) <= block - 1 for s in spec.steps)
+        if draft_max == "auto":  # the first step measures a plain decode, the second drafts
+            assert spec.steps[0].drafted == [] and len(spec.steps[1].drafted) == min(2, block - 1)
 
 
 def test_draft_max_verifies_fewer_tokens(tiny_runtime):
@@ -91,22 +98,24 @@ def test_prompt_longer_than_batch(tiny_target_gguf, tiny_draft_gguf):
     assert big.generate(prompt, 32).tokens == spec.tokens
 
 
-def test_stop_token(tiny_runtime):
+@pytest.mark.parametrize("draft_max", DRAFT_MAX)
+def test_stop_token(tiny_runtime, draft_max):
     ar_full = tiny_runtime.autoregressive("Once upon a time", 30)
     stop = ar_full.tokens[6]
     first = ar_full.tokens.index(stop)
     ar = tiny_runtime.autoregressive("Once upon a time", 30, stop_tokens=[stop])
-    spec = tiny_runtime.generate("Once upon a time", 30, stop_tokens=[stop], block_size=8)
+    spec = tiny_runtime.generate("Once upon a time", 30, stop_tokens=[stop], block_size=8, draft_max=draft_max)
     assert_same(spec, ar, "stop token")
     assert spec.stop_reason == "stop_token"
     assert spec.tokens == ar_full.tokens[:first + 1]
 
 
-def test_fill_the_context(tiny_target_gguf, tiny_draft_gguf):
+@pytest.mark.parametrize("draft_max", DRAFT_MAX)
+def test_fill_the_context(tiny_target_gguf, tiny_draft_gguf, draft_max):
     rt = dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=2, n_ctx=48, n_batch=32)
     prompt = "import numpy as np\nimport torch\n"
     n_prompt = len(rt.tokenize(prompt))
-    ar, spec = rt.autoregressive(prompt, 200), rt.generate(prompt, 200)
+    ar, spec = rt.autoregressive(prompt, 200), rt.generate(prompt, 200, draft_max=draft_max)
     assert_same(spec, ar, "context full")
     assert spec.stop_reason == "context_full"
     assert n_prompt + len(spec.tokens) == 48
@@ -125,8 +134,9 @@ def test_smollm2_target_random_draft(smollm2_gguf, smollm2_random_draft_gguf, bl
     rt = dflash_llama.Runtime(smollm2_gguf, smollm2_random_draft_gguf, n_threads=2, n_ctx=1024)
     for j, prompt in enumerate(humaneval_prompts(60)[block * 3:block * 3 + 3]):
         ar = rt.autoregressive(prompt, 24)
-        spec = rt.generate(prompt, 24, block_size=block)
-        assert_same(spec, ar, f"SmolLM2 HumanEval prompt {block * 3 + j}, block {block}")
+        for draft_max in DRAFT_MAX:
+            spec = rt.generate(prompt, 24, block_size=block, draft_max=draft_max)
+            assert_same(spec, ar, f"SmolLM2 HumanEval prompt {block * 3 + j}, block {block}, draft_max {draft_max}")
 
 
 @pytest.mark.parametrize("which", ["tiny_f32", "smollm2_q4_1"])
@@ -202,7 +212,7 @@ def test_sampling_is_lossless(tiny_target_gguf, tmp_path):
 
     counts, accepted, drafted = collections.Counter(), 0, 0
     for seed in range(2500):
-        g = rt.generate(prompt, 2, temperature=1.0, top_k=k, seed=seed)
+        g = rt.generate(prompt, 2, temperature=1.0, top_k=k, seed=seed, draft_max=None)  # the second token: a verify
         counts[tuple(g.tokens)] += 1
         accepted += sum(s.accepted for s in g.steps)
         drafted += sum(len(s.drafted) for s in g.steps)

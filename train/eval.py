@@ -81,7 +81,7 @@ def score_runtime(target: Path, draft_gguf: Path, prompts: list[str], n_predict:
     s = EngineScore("dflash-llama runtime", 0, 0, 0, 0, 0, 0.0, exact=True)
     t0 = time.perf_counter()
     for p in tqdm(prompts, desc="runtime", disable=not progress):
-        g = rt.generate(p, n_predict, block_size=block_size)
+        g = rt.generate(p, n_predict, block_size=block_size, draft_max=None)  # tau of the whole block
         if g.tokens != rt.autoregressive(p, n_predict).tokens:
             s.exact = False
         s.prompts += 1
