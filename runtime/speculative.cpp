@@ -172,10 +172,12 @@ struct spec_loop {
     int32_t last = -1, start = 0;  // the newest token and its position (not yet in the target's cache)
     bool    stopped = false;
 
-    // Draft n tokens after `last` in one block forward; they follow `last` in `verify`.
+    // Draft n tokens after `last` in one block forward; they follow `last` in `verify`. The adaptive
+    // loop's block holds only the positions it verifies (n + 1): the draft's cost falls with n, and
+    // acceptance barely moves (docs/benchmarks.md); a fixed draft length drafts the whole block.
     void propose(int32_t n, std::vector<int32_t> & verify) {
         const sampling_params & sp = params.sampling;
-        const int32_t n_block = std::min(block_size, max_length - start);
+        const int32_t n_block = std::min(params.adaptive ? n + 1 : block_size, max_length - start);
         std::vector<int32_t> block(n_block, draft.hparams().mask_token_id);
         block[0] = last;
         draft.forward_block(block.data(), n_block, start, draft_logits, nullptr, n);
@@ -294,9 +296,13 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
     target.decode(prompt.data(), (int32_t) prompt.size(), 0, /*all_logits=*/false);
     loop.last = choose(target.logits(0), loop.n_vocab, params.sampling, loop.rng);
     res.stats.t_prefill_ms = ms_since(t0);
-    t0 = clock_type::now();
-    draft.inject(target.features().data(), (int32_t) prompt.size(), 0);
-    res.stats.t_draft_ms += ms_since(t0);
+    // the prompt's features wait like a plain step's: a generation that never drafts never injects
+    loop.pending.add(target.features(), (int32_t) prompt.size());
+    if (loop.pending.n >= pending_features::kMaxRows || !params.adaptive) {
+        t0 = clock_type::now();
+        loop.pending.flush(draft);
+        res.stats.t_draft_ms += ms_since(t0);
+    }
 
     res.tokens.push_back(loop.last);
     if (on_tokens) on_tokens({ loop.last });
