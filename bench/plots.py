@@ -51,7 +51,7 @@ def acceptance_length(res: dict, path: Path) -> Path:
 
 def acceptance_by_position(res: dict, path: Path) -> Path:
     """Fraction of steps whose drafted token i was accepted (so were all before it)."""
-    ms = [m for m in _ours(res) if m["draft_max"] is None]
+    ms = [m for m in _ours(res) if m["draft_max"] is None and not m.get("adaptive")]
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     cmap = plt.get_cmap("viridis")
     for i, m in enumerate(ms):
@@ -90,13 +90,18 @@ def speed_by_block_size(res: dict, path: Path) -> Path:
         for impl, color, name in (("dflash-llama", OURS, "dflash-llama DFlash"),
                                   ("llama.cpp", NATIVE, "llama.cpp native DFlash")):
             pts = sorted((m["block_size"], y(m["key"])) for m in ms
-                         if m["impl"] == impl and m["kind"] == "dflash" and m["draft_max"] is None)
+                         if m["impl"] == impl and m["kind"] == "dflash" and m["draft_max"] is None
+                         and not m.get("adaptive"))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color, label=name)
         for m in ms:
-            if m["auto"] or (m["impl"] == "dflash-llama" and m["kind"] == "dflash" and m["draft_max"] is not None):
+            if m.get("adaptive"):
+                ax.plot([m["block_size"]], [y(m["key"])], marker="D", ms=10, color="crimson", ls="none",
+                        label=f"dflash-llama B={m['block_size']}, adaptive (--draft-max auto)")
+            elif m["auto"] or (m["impl"] == "dflash-llama" and m["kind"] == "dflash" and m["draft_max"] is not None):
                 ax.plot([m["block_size"]], [y(m["key"])], marker="*", ms=14, color=OURS, ls="none",
-                        label=f"dflash-llama B={m['block_size']}, N={m['draft_max']}{' (auto)' if m['auto'] else ''}")
+                        label=f"dflash-llama B={m['block_size']}, N={m['draft_max']}"
+                              + (" (cost model)" if m["auto"] else ""))
         flat = [("runtime-ar", "black", "-", "dflash-llama autoregressive"),
                 ("llama-completion", "dimgray", "--", "llama-completion")]
         if "llama-spec-ar" in summ:

@@ -176,6 +176,22 @@ def render(res: dict, command: str, plots: list[str]) -> str:
             f"{c['other_ms']:.2f} | {c['step_ms']:.1f} | {p['tokens_per_second']:.1f} |")
     add("")
 
+    adaptive = [it for it in summ.values() if it.get("policy")]
+    if adaptive:
+        add("## The adaptive loop (`--draft-max auto`, the default)\n")
+        add("Each step verifies the N drafted tokens (0 = a plain decode, no draft forward) of the highest "
+            "expected speed, from step costs and acceptance it measures as it goes; from plain mode it re-probes "
+            "drafting after 8, 16 … 256 plain steps (`runtime/draft_policy.h`).\n")
+        add("| method | plain steps | drafting steps | re-probes | mean N when drafting | vs our autoregressive "
+            "| median/prompt |")
+        add("|---|---:|---:|---:|---:|---:|---:|")
+        for it in adaptive:
+            pol = it["policy"]
+            add(f"| {it['label']} | {pol['plain_steps']} ({_f(None if pol['plain_share'] is None else 100 * pol['plain_share'], 0, '%')}) | "
+                f"{pol['draft_steps']} | {pol['probes']} | {_f(pol['mean_draft'], 2)} | "
+                f"{_f(it['speedup_vs_runtime-ar'], 3, 'x')} | {_f(it['median_prompt_speedup_vs_runtime-ar'], 3, 'x')} |")
+        add("")
+
     add("## Where the time goes (our runtime, all prompts)\n")
     add("| method | prefill ms | draft ms | verify ms | other ms | verify share of decode |")
     add("|---|---:|---:|---:|---:|---:|")

@@ -52,6 +52,7 @@ class Method:
     draft_max: int | None = None  # drafted tokens verified per step (None: block_size - 1)
     spec_type: str | None = None
     auto: bool = False  # the cost model's pick
+    adaptive: bool = False  # our runtime's adaptive loop (draft_max="auto"): N chosen step by step
 
     @property
     def n_draft(self) -> int | None:
@@ -70,6 +71,8 @@ class Method:
         if self.kind == "ngram":
             return f"llama.cpp {self.spec_type}"
         who = "dflash-llama" if self.impl == "dflash-llama" else "llama.cpp native"
+        if self.adaptive:
+            return f"{who} DFlash B={self.block_size}, adaptive"
         n = f", N={self.draft_max}" if self.draft_max is not None else ""
         return f"{who} DFlash B={self.block_size}{n}{' (auto)' if self.auto else ''}"
 
@@ -111,6 +114,7 @@ def plan_methods(s: Settings, block_size: int, pick: int | None) -> list[Method]
         methods.append(Method("llama-spec-ar", "llama.cpp", "autoregressive", spec_type="ngram-simple"))
     for k in s.block_sizes:
         methods.append(Method(f"runtime-b{k}", "dflash-llama", "dflash", block_size=k))
+    methods.append(Method("runtime-auto", "dflash-llama", "dflash", block_size=block_size, adaptive=True))
     if pick is not None and not (pick == block_size - 1 and block_size in s.block_sizes):
         methods.append(Method(f"runtime-b{block_size}-n{pick}", "dflash-llama", "dflash", block_size=block_size,
                               draft_max=pick, auto=s.draft_max == "auto"))
@@ -146,6 +150,8 @@ def _runtime_row(m: Method, g) -> dict:
                    acceptance_lengths=[x.produced for x in g.steps],
                    drafted_per_step=[len(x.drafted) for x in g.steps],
                    accepted_per_step=[x.accepted for x in g.steps])
+    if getattr(g, "policy", None) is not None:
+        row["policy"] = asdict(g.policy)
     return row
 
 
@@ -244,7 +250,8 @@ class Bench:
             row = _runtime_row(m, g)
             row["_tokens"], row["_text"] = g.tokens, g.text
         elif m.impl == "dflash-llama":
-            g = self.rt.generate(toks, s.n_predict, block_size=m.block_size, draft_max=m.draft_max)
+            g = self.rt.generate(toks, s.n_predict, block_size=m.block_size,
+                                 draft_max="auto" if m.adaptive else m.draft_max)
             row = _runtime_row(m, g)
             row["_tokens"], row["_text"] = g.tokens, g.text
         elif m.key == "llama-completion":
@@ -307,6 +314,7 @@ class Bench:
             same_as_lc = text_matches(r["_text"], lc["_text"], lc["_stopped"] or m.impl == "dflash-llama")[0]
             row = {"prompt": p.id, "method": m.key, "label": m.label, "impl": m.impl, "kind": m.kind,
                    "block_size": m.block_size, "n_draft": m.n_draft, "spec_type": m.spec_type, "auto": m.auto,
+                   "adaptive": m.adaptive,
                    "exact": bool(exact), "exact_against": against, "first_difference": diff,
                    "first_difference_unit": unit if diff is not None else None,
                    "same_text_as_llama_completion": bool(same_as_lc)}
@@ -485,8 +493,23 @@ def summarise(rows: list[dict], methods: list[Method]) -> dict:
             split = {k: sum(r["time_split_ms"][k] for r in rs)
                      for k in ("prefill", "draft", "verify", "other", "total")}
             item["time_split_ms"] = split
+        if m.adaptive:
+            item["policy"] = _pooled_policy([r["policy"] for r in rs if "policy" in r])
         out[m.key] = item
     return out
+
+
+def _pooled_policy(policies: list[dict]) -> dict | None:
+    """The adaptive loop's choices over all prompts: plain share and mean N pooled over steps."""
+    if not policies:
+        return None
+    plain = sum(p["plain_steps"] for p in policies)
+    drafting = sum(p["draft_steps"] for p in policies)
+    drafted = sum(p["mean_draft"] * p["draft_steps"] for p in policies)
+    return {"plain_steps": plain, "draft_steps": drafting, "probes": sum(p["probes"] for p in policies),
+            "plain_share": plain / (plain + drafting) if plain + drafting else None,
+            "mean_draft": drafted / drafting if drafting else None,
+            "median_predicted_tokens_per_second": statistics.median(p["predicted_tokens_per_second"] for p in policies)}
 
 
 def ratios(rows: list[dict], methods: list[Method], block_size: int) -> list[dict]:
@@ -508,7 +531,9 @@ def ratios(rows: list[dict], methods: list[Method], block_size: int) -> list[dic
     for m in methods:
         if m.kind != "dflash" or m.impl != "dflash-llama":
             continue
-        if m.draft_max is None:
+        if m.adaptive:
+            out.append(pair(m.key, f"native-b{m.block_size}", f"{m.label} / native DFlash, B={m.block_size}"))
+        elif m.draft_max is None:
             out.append(pair(m.key, f"native-b{m.block_size}", f"our runtime / native DFlash, B={m.block_size}"))
         out.append(pair(m.key, "runtime-ar", f"{m.label} / our autoregressive"))
         out.append(pair(m.key, "llama-completion", f"{m.label} / llama-completion"))

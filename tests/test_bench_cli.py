@@ -48,8 +48,8 @@ def test_writes_every_file(bench_run):
     assert res["settings"]["stopped_by_budget"] is False and "--budget-min 20" in res["command"]
 
 
-ROW_KEYS = {"prompt", "method", "label", "impl", "kind", "block_size", "n_draft", "spec_type", "auto", "exact",
-            "exact_against", "first_difference", "first_difference_unit", "same_text_as_llama_completion",
+ROW_KEYS = {"prompt", "method", "label", "impl", "kind", "block_size", "n_draft", "spec_type", "auto", "adaptive",
+            "exact", "exact_against", "first_difference", "first_difference_unit", "same_text_as_llama_completion",
             "n_tokens", "decode_tokens", "decode_ms", "tokens_per_second", "prefill_ms", "time_split_ms",
             "stop_reason"}
 OUR_SPECULATIVE_KEYS = {"tau", "steps", "n_drafted", "n_accepted", "acceptance_rate", "acceptance_by_position",
@@ -63,7 +63,9 @@ def test_bench_json_schema(bench_run):
     assert {"cpu", "nproc", "started", "wall_s", "command_wall_s", "llama_cpp", "loadavg_start"} <= set(res["meta"])
     for r in res["rows"]:
         keys = set(r)
-        if r["impl"] == "dflash-llama" and r["kind"] == "dflash":
+        if r["method"] == "runtime-auto":  # the adaptive loop also says what it chose
+            assert keys == ROW_KEYS | OUR_SPECULATIVE_KEYS | {"policy"}
+        elif r["impl"] == "dflash-llama" and r["kind"] == "dflash":
             assert keys == ROW_KEYS | OUR_SPECULATIVE_KEYS
         elif r["kind"] == "dflash":  # native: its counters, tau derived from them
             assert keys == ROW_KEYS | {"n_drafted", "n_accepted", "acceptance_rate", "steps", "tau"}
@@ -88,7 +90,8 @@ def test_methods_and_rows(bench_run):
     assert res["settings"]["draft_block_size"] == 8 and res["settings"]["block_sizes"] == [2, 4, 16]
     keys = [m["key"] for m in res["methods"]]
     pick = res["cost_model"]["pick"]["n_draft"]
-    expected = ["runtime-ar", "llama-completion", "llama-spec-ar", "runtime-b2", "runtime-b4", "runtime-b16"]
+    expected = ["runtime-ar", "llama-completion", "llama-spec-ar", "runtime-b2", "runtime-b4", "runtime-b16",
+                "runtime-auto"]
     expected += [f"runtime-b8-n{pick}"]  # B=8 is not swept: the pick gets its own row
     expected += ["native-b2", "native-b4", "ngram-simple", "ngram-mod"]  # native B=16 exceeds the trained block
     assert keys == expected
@@ -103,7 +106,7 @@ def test_methods_and_rows(bench_run):
         # without drafts (text), and the plain decoders against each other
         against = {"runtime-ar": "llama-completion", "llama-completion": "runtime-ar",
                    "llama-spec-ar": "llama-completion"}.get(r["method"])
-        against = against or ("runtime-ar" if r["method"].startswith("runtime-b") else "llama-spec-ar")
+        against = against or ("runtime-ar" if r["method"].startswith("runtime-") else "llama-spec-ar")
         assert r["exact_against"] == against
         # the tiny target has no near-ties: every text is also llama-completion's
         assert r["same_text_as_llama_completion"] is True
@@ -118,6 +121,11 @@ def test_methods_and_rows(bench_run):
             assert t["prefill"] + t["draft"] + t["verify"] + t["other"] == pytest.approx(t["total"])
         if r["method"].startswith("native-"):
             assert r["n_drafted"] % r["n_draft"] == 0  # native drafts exactly n_max per step
+        if r["method"] == "runtime-auto":
+            pol = r["policy"]
+            assert pol["plain_steps"] + pol["draft_steps"] == r["steps"]
+            assert pol["plain_steps"] == r["drafted_per_step"].count(0)
+            assert max(r["drafted_per_step"]) <= 7 and r["drafted_per_step"][:2] == [0, 2]
 
 
 def test_summary_and_ratios_come_from_the_rows(bench_run):
