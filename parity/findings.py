@@ -49,7 +49,7 @@ def _traces(target, gguf, hf, block_len=None):
     from .native import NativeDraft
 
     torch.set_num_threads(1)
-    rt = dflash_llama.Runtime(target, gguf, n_threads=1, n_ctx=256, kv_f32=True)
+    rt = dflash_llama.Runtime(target, gguf, n_threads=1, n_ctx=256, kv_f32=True, compact_draft_head=False)
     native = NativeDraft(rt, gguf, n_ctx=256, n_threads=1)
     tokens = rt.tokenize(PROMPT)
     feats = rt.capture(tokens[:-1])

@@ -57,7 +57,7 @@ def run_study(target: Path, draft_hf: Path, work: Path, prompts: list, n_predict
             convert(draft_hf, target, gguf, outtype=outtype)
             cfg = ParityConfig(target=target, draft=gguf, draft_hf=draft_hf, prompts=prompts,
                                graph_prompts=graph_prompts, n_threads=n_threads, n_predict=n_predict)
-            rt = Runtime(target, gguf, n_threads=n_threads, n_ctx=512, kv_f32=True)
+            rt = Runtime(target, gguf, n_threads=n_threads, n_ctx=512, kv_f32=True, compact_draft_head=False)
             nd = NativeDraft(rt, gguf, n_ctx=512, n_threads=n_threads) if native else None
             cat = B.file_category(tensor_types(gguf), skip=("token_embd.weight", "output.weight"))
             graph = stage_graph(cfg, rt, nd, ref_draft, cat, head, progress)

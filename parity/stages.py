@@ -481,7 +481,7 @@ def run_parity(cfg: ParityConfig, progress_bar: bool = True) -> dict:
         head = head_type(target_types)
         draft_cat = B.file_category(draft_types, skip=("token_embd.weight", "output.weight"))
         n_ctx = max(512, cfg.max_context + cfg.n_predict + 64)
-        rt = Runtime(cfg.target, cfg.draft, n_threads=cfg.n_threads, n_ctx=n_ctx, kv_f32=True)
+        rt = Runtime(cfg.target, cfg.draft, n_threads=cfg.n_threads, n_ctx=n_ctx, kv_f32=True, compact_draft_head=False)
         hf_ids = read_hf_config(Path(cfg.draft_hf)).target_layer_ids if cfg.draft_hf else None
 
         report = {

@@ -55,6 +55,9 @@ void print_usage(const char * argv0) {
         "  --draft-max auto|N       drafted tokens verified per step: auto chooses each step's N (0 = a plain\n"
         "                           decode) for the highest expected speed on this machine; N: at most N,\n"
         "                           every step (default: auto)\n"
+        "  --draft-head compact|target  the head the draft proposes through: compact, a Q4_0 copy of the\n"
+        "                           target's (cheaper; made at load when the target's is larger), or the\n"
+        "                           target's own (as the reference computes it) (default: compact)\n"
         "  --no-draft               plain autoregressive decoding of the target\n"
         "  --ignore-eos             do not stop at end-of-generation tokens\n"
         "  --json                   print one JSON object (tokens, text, steps, tau, stats)\n"
@@ -152,6 +155,11 @@ cli_args parse_args(int argc, char ** argv) {
             a.gen.adaptive = std::strcmp(v, "auto") == 0;
             if (a.gen.adaptive) a.gen.draft_max.reset();
             else a.gen.draft_max = parse_int<int32_t>(flag, v);
+        }
+        else if (flag == "--draft-head") {
+            const std::string v = value();
+            if (v != "compact" && v != "target") usage_error("--draft-head must be compact or target, got '" + v + "'");
+            a.engine.compact_draft_head = v == "compact";
         }
         else if (flag == "--no-draft")   a.no_draft = true;
         else if (flag == "--ignore-eos") a.gen.stop_at_eog = false;

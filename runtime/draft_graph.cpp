@@ -3,6 +3,7 @@
 #include "ggml-cpu.h"
 #include "llama-model.h"  // the target's tok_embd / output tensors, used in place
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -48,7 +49,8 @@ struct draft_runner::graph_ctx {
     }
 };
 
-draft_runner::draft_runner(const draft_model & draft, const llama_model * target, int32_t n_ctx, int32_t n_threads)
+draft_runner::draft_runner(const draft_model & draft, const llama_model * target, int32_t n_ctx, int32_t n_threads,
+                           bool compact_head)
     : draft_(draft), n_ctx_(n_ctx) {
     tok_embd_ = target->tok_embd;
     output_   = target->output ? target->output : target->tok_embd;
@@ -56,6 +58,7 @@ draft_runner::draft_runner(const draft_model & draft, const llama_model * target
         throw std::invalid_argument("the target model has no token embedding or output head tensor to lend the draft");
     }
     n_vocab_ = (int32_t) output_->ne[1];
+    head_    = output_;
 
     backend_cpu_ = ggml_backend_cpu_init();
     if (backend_cpu_ == nullptr) {
@@ -82,12 +85,53 @@ draft_runner::draft_runner(const draft_model & draft, const llama_model * target
     ggml_backend_buffer_clear(kv_buf_, 0);
 
     graph_meta_.resize(ggml_tensor_overhead() * kMaxGraphNodes + ggml_graph_overhead_custom(kMaxGraphNodes, false));
+    if (compact_head) {
+        make_compact_head();
+    }
+}
+
+// head_ = output_ requantized to Q4_0, row chunk by row chunk, when that reads less and is possible.
+void draft_runner::make_compact_head() {
+    const ggml_type to = GGML_TYPE_Q4_0;
+    const int64_t n_embd = output_->ne[0], n_rows = output_->ne[1];
+    const auto * traits = ggml_get_type_traits(output_->type);
+    const bool smaller = (double) ggml_type_size(to) / ggml_blck_size(to) <
+                         (double) ggml_type_size(output_->type) / ggml_blck_size(output_->type);
+    const bool readable = output_->type == GGML_TYPE_F32 || traits->to_float != nullptr;
+    if (!smaller || n_embd % ggml_blck_size(to) != 0 || !readable || output_->buffer == nullptr ||
+        !ggml_backend_buffer_is_host(output_->buffer) || !ggml_is_contiguous(output_)) {
+        return;  // already small, or not readable here: generation uses the target's head
+    }
+    head_ctx_ = ggml_init({ ggml_tensor_overhead(), nullptr, true });
+    ggml_tensor * head = ggml_new_tensor_2d(head_ctx_, to, n_embd, n_rows);
+    ggml_set_name(head, "draft_head_q4_0");
+    head_buf_ = ggml_backend_alloc_ctx_tensors(head_ctx_, backend_cpu_);
+    if (head_buf_ == nullptr) {
+        throw std::runtime_error("cannot allocate the draft's compact head");
+    }
+    constexpr int64_t kChunk = 256;
+    std::vector<float> rows((size_t) kChunk * n_embd);
+    for (int64_t r0 = 0; r0 < n_rows; r0 += kChunk) {
+        const int64_t nr = std::min(kChunk, n_rows - r0);
+        for (int64_t r = 0; r < nr; ++r) {
+            const char * src = (const char *) output_->data + (r0 + r) * output_->nb[1];
+            if (output_->type == GGML_TYPE_F32) {
+                std::memcpy(rows.data() + r * n_embd, src, (size_t) n_embd * sizeof(float));
+            } else {
+                traits->to_float(src, rows.data() + r * n_embd, n_embd);
+            }
+        }
+        ggml_quantize_chunk(to, rows.data(), (char *) head->data + r0 * head->nb[1], 0, nr, n_embd, nullptr);
+    }
+    head_ = head;
 }
 
 draft_runner::~draft_runner() {
     if (sched_)       ggml_backend_sched_free(sched_);
     if (kv_buf_)      ggml_backend_buffer_free(kv_buf_);
     if (kv_ctx_)      ggml_free(kv_ctx_);
+    if (head_buf_)    ggml_backend_buffer_free(head_buf_);
+    if (head_ctx_)    ggml_free(head_ctx_);
     if (backend_cpu_) ggml_backend_free(backend_cpu_);
 }
 
@@ -300,7 +344,7 @@ void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_
     // block position 0 holds the known last token: only positions 1..n_logits need logits (the head
     // is the largest matmul of a small draft: skip the rows the loop will not verify)
     ggml_tensor * y_pred = ggml_view_2d(g.ctx, y, hp.n_embd, n_logits, y->nb[1], y->nb[1]);
-    ggml_tensor * out = ggml_mul_mat(g.ctx, output_, y_pred);
+    ggml_tensor * out = ggml_mul_mat(g.ctx, g.tracing ? output_ : head_, y_pred);
     if (hp.logit_scale != 1.0f) {
         out = ggml_scale(g.ctx, out, hp.logit_scale);
     }

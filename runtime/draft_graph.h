@@ -9,6 +9,9 @@
 //
 // Traced `result_output` is the raw head output of all block positions, as in llama.cpp's graph;
 // the logits returned for positions 1.. have dflash.logit_scale and the soft-cap applied.
+// With a compact head, generation reads a Q4_0 copy of the target's head (made at load): on a CPU the
+// head is the largest read of a draft step, and a draft's proposals only need its argmax; exactness
+// does not depend on it (the target verifies). Traces always use the target's own head.
 // The block's own K/V are never written to the cache (the published loop crops them away), so
 // cropping the cache after a rejection is only `crop(n)`. Token embeddings and the LM head are the
 // target's tensors, used in place. Every intermediate is named as in llama.cpp's `dflash` graph
@@ -37,8 +40,10 @@ using draft_trace = std::map<std::string, traced_tensor>;
 
 class draft_runner {
 public:
-    // n_ctx: the most positions the draft cache holds (the target context size).
-    draft_runner(const draft_model & draft, const llama_model * target, int32_t n_ctx, int32_t n_threads);
+    // n_ctx: the most positions the draft cache holds (the target context size). compact_head: a
+    // Q4_0 copy of the target's head for generation, when the target's is larger and in host memory.
+    draft_runner(const draft_model & draft, const llama_model * target, int32_t n_ctx, int32_t n_threads,
+                 bool compact_head = false);
     ~draft_runner();
     draft_runner(const draft_runner &) = delete;
     draft_runner & operator=(const draft_runner &) = delete;
@@ -58,6 +63,7 @@ public:
 
     int32_t n_cached() const { return n_cached_; }
     int32_t n_vocab()  const { return n_vocab_; }
+    bool    compact_head() const { return head_ != output_; }
     const draft_hparams & hparams() const { return draft_.hparams; }
 
 private:
@@ -66,11 +72,13 @@ private:
     ggml_tensor * rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * gain) const;
     ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const;
     ggml_tensor * attention_mask(graph_ctx & g, int32_t n_kv, int32_t n_block, bool causal, int32_t window);
+    void make_compact_head();
     void compute(graph_ctx & g, draft_trace * trace);
 
     const draft_model & draft_;
     ggml_tensor *       tok_embd_;  // the target's, in place
     ggml_tensor *       output_;    // the target's, in place
+    ggml_tensor *       head_;      // what generation multiplies by: output_, or its Q4_0 copy
     int32_t             n_vocab_;
     int32_t             n_ctx_;
     int32_t             n_cached_ = 0;
@@ -79,6 +87,8 @@ private:
     ggml_backend_sched_t  sched_       = nullptr;
     ggml_context *        kv_ctx_      = nullptr;
     ggml_backend_buffer_t kv_buf_      = nullptr;
+    ggml_context *        head_ctx_    = nullptr;  // the compact head, if any
+    ggml_backend_buffer_t head_buf_    = nullptr;
     std::vector<ggml_tensor *> cache_k_;  // per layer [head_dim, n_head_kv, n_ctx]
     std::vector<ggml_tensor *> cache_v_;
     std::vector<uint8_t>  graph_meta_;     // scratch for graph metadata, reused

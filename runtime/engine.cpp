@@ -24,7 +24,8 @@ engine::engine(const engine_params & params) {
     }
     const int32_t n_threads = params.target.n_threads > 0 ? params.target.n_threads
                                                           : (int32_t) llama_n_threads(target_->context());
-    draft_runner_ = std::make_unique<draft_runner>(*draft_model_, target_->model(), target_->n_ctx(), n_threads);
+    draft_runner_ = std::make_unique<draft_runner>(*draft_model_, target_->model(), target_->n_ctx(), n_threads,
+                                                   params.compact_draft_head);
 }
 
 draft_runner & engine::draft() {

@@ -16,6 +16,7 @@ namespace dflash {
 struct engine_params {
     target_params target;
     std::string   draft_path;  // "" = no draft
+    bool          compact_draft_head = true;  // draft proposals through a Q4_0 copy of the target's head
     bool          verbose = false;
 };
 

@@ -8,11 +8,25 @@ from pathlib import Path
 import pytest
 
 from dflash_llama import fixtures
+from dflash_llama.converter import convert
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     return fixtures.smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_random_draft_gguf(smollm2_gguf, tmp_path_factory) -> Path:
+    """A random 1-layer draft with SmolLM2's shapes, converted against the GGUF target only."""
+    cfg_dir = tmp_path_factory.mktemp("smollm2_config")
+    (cfg_dir / "config.json").write_text(json.dumps(
+        {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152}))
+    hf = fixtures.tiny_draft_hf(tmp_path_factory.mktemp("smollm2_draft_hf"), cfg_dir, fixtures.TinyDraftConfig(
+        layers=1, heads=9, kv_heads=3, head_dim=64, ffn=256, block_size=16, init_std=0.05,
+        target_layer_ids=[1, 15, 29]))
+    out = tmp_path_factory.mktemp("smollm2_draft") / "smollm2-random-draft.gguf"
+    return convert(hf, smollm2_gguf, out, outtype="f16")
 
 
 @pytest.fixture(scope="session")

@@ -170,3 +170,40 @@ def test_cli_bad_arguments(tiny_target_gguf, draft_gguf, tmp_path):
     res = subprocess.run([cli, "-m", str(tmp_path / "missing.gguf"), "-md", str(draft_gguf), "-p", "x"],
                          capture_output=True, text=True)
     assert res.returncode == 2 and "missing.gguf: no such file" in res.stderr  # an input error, as dflash-llama
+
+
+def test_cli_draft_max_and_draft_head_values(tiny_target_gguf, draft_gguf):
+    cli = str(paths.tool("llama-dflash-cli"))
+    base = [cli, "-m", str(tiny_target_gguf), "-md", str(draft_gguf), "-p", "def f(x):", "-n", "6", "-c", "128"]
+    for flags, message in ((["--draft-max", "fast"], "invalid integer for --draft-max: 'fast'"),
+                           (["--draft-head", "q8"], "--draft-head must be compact or target, got 'q8'")):
+        res = subprocess.run(base + flags, capture_output=True, text=True)
+        assert res.returncode == 2 and message in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    runs = {}
+    for flags in (["--draft-max", "auto"], ["--draft-max", "3"], ["--draft-head", "target"], ["--no-draft"]):
+        res = subprocess.run(base + flags + ["--json"], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        runs[flags[-1]] = json.loads(res.stdout)
+    assert len({tuple(r["tokens"]) for r in runs.values()}) == 1  # the same greedy output every way
+    assert "policy" in runs["auto"] and "policy" not in runs["3"]
+    assert max(len(s["drafted"]) for s in runs["3"]["steps"]) <= 3
+
+
+def test_compact_draft_head(tiny_target_gguf, draft_gguf, smollm2_gguf, smollm2_random_draft_gguf):
+    # the tiny target's head is f32 and the SmolLM2 file's Q8_0: both are larger than Q4_0
+    assert dflash_llama.Runtime(tiny_target_gguf, draft_gguf, n_ctx=128).compact_draft_head is True
+    exact = dflash_llama.Runtime(tiny_target_gguf, draft_gguf, n_ctx=128, compact_draft_head=False)
+    assert exact.compact_draft_head is False
+    assert dflash_llama.Runtime(tiny_target_gguf, n_ctx=128).compact_draft_head is False  # no draft
+    rt = dflash_llama.Runtime(smollm2_gguf, smollm2_random_draft_gguf, n_threads=2, n_ctx=512)
+    ref = dflash_llama.Runtime(smollm2_gguf, smollm2_random_draft_gguf, n_threads=2, n_ctx=512,
+                               compact_draft_head=False)
+    assert rt.compact_draft_head is True
+    prompt = "def fibonacci(n):"
+    a, b = rt.generate(prompt, 24, draft_max=None), ref.generate(prompt, 24, draft_max=None)
+    assert a.tokens == b.tokens == ref.autoregressive(prompt, 24).tokens  # exact either way
+    # traces use the target's own head whatever generation uses: the parity stages see no difference
+    feats = rt.capture(rt.tokenize(prompt))
+    block = [a.tokens[0]] + [rt.mask_token_id] * (rt.block_size - 1)
+    got, want = rt.trace_draft(feats, block), ref.trace_draft(feats, block)
+    assert np.array_equal(got["result_output"], want["result_output"])

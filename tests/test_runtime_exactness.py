@@ -40,19 +40,6 @@ def tiny_runtime(tiny_target_gguf, tiny_draft_gguf):
     return dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=2, n_ctx=512, n_batch=64)
 
 
-@pytest.fixture(scope="session")
-def smollm2_random_draft_gguf(smollm2_gguf, tmp_path_factory) -> Path:
-    """A random 1-layer draft with SmolLM2's shapes, converted against the GGUF target only."""
-    cfg_dir = tmp_path_factory.mktemp("smollm2_config")
-    (cfg_dir / "config.json").write_text(json.dumps(
-        {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152}))
-    hf = fixtures.tiny_draft_hf(tmp_path_factory.mktemp("smollm2_draft_hf"), cfg_dir, fixtures.TinyDraftConfig(
-        layers=1, heads=9, kv_heads=3, head_dim=64, ffn=256, block_size=16, init_std=0.05,
-        target_layer_ids=[1, 15, 29]))
-    out = tmp_path_factory.mktemp("smollm2_draft") / "smollm2-random-draft.gguf"
-    return convert(hf, smollm2_gguf, out, outtype="f16")
-
-
 def assert_same(spec, ar, where: str):
     assert spec.tokens == ar.tokens, f"{where}: speculative output differs from target greedy output"
     assert spec.stop_reason == ar.stop_reason

@@ -66,10 +66,11 @@ def test_drafted_tokens_identical_at_every_step(draft_ggufs, reference_drafts, t
     """f32: replay each step of a runtime generation through the reference draft."""
     for name in reference_drafts:
         gguf = draft_ggufs[name, "f32"]
-        rt = dflash_llama.Runtime(tiny_target_gguf, gguf, n_threads=2, n_ctx=256, kv_f32=True)
+        rt = dflash_llama.Runtime(tiny_target_gguf, gguf, n_threads=2, n_ctx=256, kv_f32=True,
+                                  compact_draft_head=False)  # the reference's head
         draft = load_draft(gguf, target_weights.embed_tokens, target_weights.lm_head)
         prompt = rt.tokenize("class Stack:\n    def push(self, item):")
-        gen = rt.generate(prompt, 40)
+        gen = rt.generate(prompt, 40, draft_max=None)  # the whole block every step, as replayed
         produced = 1  # the first token comes from the prefill
         for i, step in enumerate(gen.steps):
             seq = prompt + gen.tokens[:produced - 1]

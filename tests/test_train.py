@@ -236,13 +236,14 @@ def test_training_learns_resumes_and_writes_a_loadable_checkpoint(dataset, tiny_
     ours = load_draft(ckpt)
     assert ours.config.target_layer_ids == LAYERS
     gguf = convert(ckpt, tiny_target_gguf, tmp_path / "draft.gguf", outtype="f32")
-    spec = dflash_llama.Runtime(tiny_target_gguf, gguf, n_threads=2, n_ctx=256)
+    spec = dflash_llama.Runtime(tiny_target_gguf, gguf, n_threads=2, n_ctx=256,
+                                compact_draft_head=False)  # the replay's head
     g = spec.generate("def add(a, b):", 24)
     assert g.tokens == spec.autoregressive("def add(a, b):", 24).tokens
     # replayed on the stored responses, the loop takes the runtime's verify steps exactly
     steps = produced = 0
     for p in prompts:
-        g = spec.generate(p, 24, block_size=4)
+        g = spec.generate(p, 24, block_size=4, draft_max=None)  # the whole block, as replayed
         steps, produced = steps + len(g.steps), produced + len(g.tokens) - 1
     t = target_weights_from_gguf(tiny_target_gguf)
     tau, replay_steps = replay_tau(load_draft(ckpt, t.embed_tokens, t.lm_head), iter_sequences(out_data))

@@ -77,7 +77,7 @@ def score_runtime(target: Path, draft_gguf: Path, prompts: list[str], n_predict:
 
     from dflash_llama.runtime import Runtime
 
-    rt = Runtime(target, draft_gguf, n_threads=threads, n_ctx=2048)
+    rt = Runtime(target, draft_gguf, n_threads=threads, n_ctx=2048, compact_draft_head=False)  # as the peers
     s = EngineScore("dflash-llama runtime", 0, 0, 0, 0, 0, 0.0, exact=True)
     t0 = time.perf_counter()
     for p in tqdm(prompts, desc="runtime", disable=not progress):

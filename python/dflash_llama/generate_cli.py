@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation")
     add_draft_max_arg(p)
     p.add_argument("--kv-f32", action="store_true",
-                   help="runtime: f32 KV cache and no flash attention, to compare with the reference in f32")
+                   help="runtime: f32 KV cache, no flash attention and the target's own head for the draft, to "
+                        "compare with the reference in f32")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -119,7 +120,9 @@ def _run_runtime(req: GenerateRequest) -> dict:
                          f"directory {req.target}")
     # f32: an HF draft decodes with its checkpoint's weights, as the reference engine does
     draft = None if req.draft is None else resolve_draft(req.draft, req.target, outtype="f32")
-    rt = Runtime(req.target, draft, n_threads=req.threads, n_ctx=req.n_ctx, kv_f32=req.kv_f32)
+    # --kv-f32 compares with the reference: the draft proposes through the target's own head, as it does
+    rt = Runtime(req.target, draft, n_threads=req.threads, n_ctx=req.n_ctx, kv_f32=req.kv_f32,
+                 compact_draft_head=not req.kv_f32)
     prompt_ids = req.prompt_ids if req.prompt_ids is not None else rt.tokenize(req.prompt_text)
     kw = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
               stop_at_eog=not req.ignore_eos)

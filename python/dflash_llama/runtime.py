@@ -134,9 +134,12 @@ class Stream:
 class Runtime:
     def __init__(self, target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
                  n_threads: int = 0, n_ctx: int = 4096, n_batch: int = 512, n_gpu_layers: int = 0,
-                 kv_f32: bool = False, n_seq: int = 1, verbose: bool = False):
+                 kv_f32: bool = False, n_seq: int = 1, compact_draft_head: bool = True, verbose: bool = False):
         """kv_f32: keep the target's KV cache in f32 (llama.cpp's default is f16), for parity runs.
-        n_seq: sequences `autoregressive_batch` decodes side by side (n_ctx is per sequence)."""
+        n_seq: sequences `autoregressive_batch` decodes side by side (n_ctx is per sequence).
+        compact_draft_head: the draft proposes through a Q4_0 copy of the target's output head (made at
+        load, when the target's is larger): a cheaper draft step, the same exact output. False: the
+        target's own head, as the reference computes it (for comparisons of drafted tokens)."""
         try:
             from . import _core
         except ImportError as e:
@@ -146,7 +149,7 @@ class Runtime:
         self._engine = _core.Engine(os.fspath(target), os.fspath(draft) if draft else "",
                                     c_int("n_threads", n_threads), c_int("n_ctx", n_ctx), c_int("n_batch", n_batch),
                                     c_int("n_gpu_layers", n_gpu_layers), bool(kv_f32), c_int("n_seq", n_seq),
-                                    bool(verbose))
+                                    bool(compact_draft_head), bool(verbose))
         self._core = _core
         self._lock = threading.Lock()  # one sequence at a time
 
@@ -154,6 +157,11 @@ class Runtime:
     @property
     def has_draft(self) -> bool:
         return self._engine.has_draft
+
+    @property
+    def compact_draft_head(self) -> bool:
+        """Whether the draft proposes through a Q4_0 copy of the target's head."""
+        return self._engine.compact_draft_head
 
     @property
     def n_ctx(self) -> int:
