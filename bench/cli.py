@@ -67,8 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    type=lambda t: _int_list(t, "--block-sizes", 2),
                    help=f"verify block sizes to sweep (default {DEFAULT_BLOCK_SIZES})")
     p.add_argument("--draft-max", default="auto", type=parse_draft_max,
-                   help="drafted tokens verified per step at the draft's block size: 'auto' (default: the "
-                        "cost model's pick) or N")
+                   help="the fixed-N row at the draft's block size: 'auto' (default) = the cost model's one-N "
+                        "pick, or N; the adaptive loop (our runtime's --draft-max auto) always has its own row")
     p.add_argument("--out", help="output folder (default: reports/<draft name>/)")
     p.add_argument("--ngram-types",
                    help="llama.cpp n-gram spec types to run, comma separated, or 'none' (default: all; "

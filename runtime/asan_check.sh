@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds llama-dflash-cli with AddressSanitizer (our runtime instrumented, llama.cpp as usual) in
-# build/asan, then runs full generations of the tiny fixture pair: greedy, sampled, a stop token, a
-# full context. Then runs the fuzz corpus under it (parity/fuzz.py): FUZZ_MUTANTS (default 40) mutants
-# each of the draft and the target GGUF, seed FUZZ_SEED (default 0), with no address-space limit (ASan
-# reserves terabytes of it) and a 60 s timeout; failing mutants are kept in build/asan/fuzz-findings,
+# build/asan, then runs full generations of the tiny fixture pair: greedy (the adaptive loop and the
+# whole block), sampled, a short draft length, a full context, plain decoding. Then runs the fuzz
+# corpus under it (parity/fuzz.py): FUZZ_MUTANTS (default 40) mutants each of the draft and the
+# target GGUF, seed FUZZ_SEED (default 0), with no address-space limit (ASan reserves terabytes of
+# it) and a 60 s timeout; failing mutants are kept in build/asan/fuzz-findings,
 # each with a repro.txt. Exits non-zero on any ASan or LeakSanitizer report, signal, hang or wrong
 # output. Needs ./setup.sh done first (for the fixtures).
 #
@@ -30,12 +31,13 @@ PY
 export ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:abort_on_error=0
 cli="$build/llama-dflash-cli"
 run() { echo "== llama-dflash-cli $*"; "$cli" -m "$work/target.gguf" -md "$work/draft.gguf" -t 2 --json "$@" > /dev/null; }
-run -p "def fibonacci(n):" -n 64
+run -p "def fibonacci(n):" -n 64                                   # the adaptive loop, compact head
+run -p "def fibonacci(n):" -n 64 --draft-max 7 --draft-head target  # the whole block, the target's head
 run -p "def fibonacci(n):" -n 64 --temp 1.0 --top-k 40 --top-p 0.9 -s 7
 run -p "Once upon a time" -n 64 --block-size 16 --draft-max 3
 run -p "import numpy as np" -n 200 -c 48 -b 16
 run -p "hello" -n 32 --no-draft
-echo "AddressSanitizer: no errors in 5 generations"
+echo "AddressSanitizer: no errors in 6 generations"
 mutants=${FUZZ_MUTANTS:-40}
 if [ "$mutants" -gt 0 ]; then
   # the campaign's own corpus cache (the same tiny pair), in the ASan build folder
