@@ -67,6 +67,7 @@ target_runner::target_runner(const target_params & params) {
 
     llama_model_params mparams = llama_model_default_params();
     mparams.n_gpu_layers = params.n_gpu_layers;
+    path_  = params.path;
     model_ = llama_model_load_from_file(params.path.c_str(), mparams);
     if (model_ == nullptr) {
         const std::string why = last_error();
@@ -299,34 +300,57 @@ std::vector<int32_t> target_runner::tokenize(const std::string & text, bool add_
     if (text.size() > (size_t) INT32_MAX) {
         throw std::invalid_argument("the prompt has " + std::to_string(text.size()) + " bytes, more than llama.cpp tokenizes");
     }
-    int32_t n = -llama_tokenize(vocab_, text.data(), (int32_t) text.size(), nullptr, 0, add_special, true);
-    std::vector<int32_t> out(std::max(n, 0));
-    if (n > 0) {
-        llama_tokenize(vocab_, text.data(), (int32_t) text.size(), out.data(), n, add_special, true);
+    try {
+        int32_t n = -llama_tokenize(vocab_, text.data(), (int32_t) text.size(), nullptr, 0, add_special, true);
+        std::vector<int32_t> out(std::max(n, 0));
+        if (n > 0) {
+            llama_tokenize(vocab_, text.data(), (int32_t) text.size(), out.data(), n, add_special, true);
+        }
+        return out;
+    } catch (const std::exception & e) {
+        vocab_error("tokenize the prompt", e);
     }
-    return out;
+}
+
+// llama.cpp's tokenizers throw (std::out_of_range, "unordered_map::at") when the vocabulary lacks what
+// its tokenizer.ggml.model needs (a byte token, say): one line naming the file and the tokenizer.
+void target_runner::vocab_error(const char * what, const std::exception & e) const {
+    char model[64] = "?";
+    llama_model_meta_val_str(model_, "tokenizer.ggml.model", model, sizeof(model));
+    throw std::invalid_argument(path_ + ": its tokenizer (tokenizer.ggml.model '" + model + "') cannot " + what +
+                                " with this vocabulary (" + e.what() + ")");
 }
 
 std::string target_runner::piece(int32_t token) const {
-    char buf[256];
-    int32_t n = llama_token_to_piece(vocab_, token, buf, sizeof(buf), 0, false);
-    if (n < 0) {
-        std::string big((size_t) -n, '\0');
-        llama_token_to_piece(vocab_, token, big.data(), -n, 0, false);
-        return big;
+    try {
+        char buf[256];
+        int32_t n = llama_token_to_piece(vocab_, token, buf, sizeof(buf), 0, false);
+        if (n < 0) {
+            std::string big((size_t) -n, '\0');
+            llama_token_to_piece(vocab_, token, big.data(), -n, 0, false);
+            return big;
+        }
+        return std::string(buf, (size_t) n);
+    } catch (const std::exception & e) {
+        vocab_error("write a token as text", e);
     }
-    return std::string(buf, (size_t) n);
 }
 
 std::string target_runner::detokenize(const std::vector<int32_t> & tokens) const {
-    std::string out(tokens.size() * 8 + 16, '\0');
-    int32_t n = llama_detokenize(vocab_, tokens.data(), (int32_t) tokens.size(), out.data(), (int32_t) out.size(), false, false);
-    if (n < 0) {
-        out.resize((size_t) -n);
-        n = llama_detokenize(vocab_, tokens.data(), (int32_t) tokens.size(), out.data(), (int32_t) out.size(), false, false);
+    try {
+        std::string out(tokens.size() * 8 + 16, '\0');
+        int32_t n = llama_detokenize(vocab_, tokens.data(), (int32_t) tokens.size(), out.data(), (int32_t) out.size(),
+                                     false, false);
+        if (n < 0) {
+            out.resize((size_t) -n);
+            n = llama_detokenize(vocab_, tokens.data(), (int32_t) tokens.size(), out.data(), (int32_t) out.size(),
+                                 false, false);
+        }
+        out.resize((size_t) std::max(n, 0));
+        return out;
+    } catch (const std::exception & e) {
+        vocab_error("write tokens as text", e);
     }
-    out.resize((size_t) std::max(n, 0));
-    return out;
 }
 
 bool target_runner::is_eog(int32_t token) const {

@@ -8,6 +8,7 @@
 #include "llama.h"
 
 #include <cstdint>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -70,8 +71,10 @@ public:
 
 private:
     static bool on_eval(struct ggml_tensor * t, bool ask, void * user_data);
+    [[noreturn]] void vocab_error(const char * what, const std::exception & e) const;
     int32_t tap_of(const char * name) const;
 
+    std::string         path_;
     llama_model *       model_ = nullptr;
     llama_context *     ctx_   = nullptr;
     const llama_vocab * vocab_ = nullptr;

@@ -256,6 +256,20 @@ def test_a_non_causal_target_is_refused_without_a_draft_too(tiny_target_gguf, tm
             bad)
 
 
+def test_a_tokenizer_that_does_not_fit_its_vocabulary_is_one_line(tiny_target_gguf, tmp_path):
+    """Found by the 10,000-mutant campaign (seed 2028, target 38): llama.cpp's SentencePiece tokenizer
+    over this byte-level vocabulary throws std::out_of_range, which said only "unordered_map::at"."""
+    bad = rewrite(tiny_target_gguf, tmp_path / "spm.gguf", kv={"tokenizer.ggml.model": ("llama", V.STRING)})
+    message = (f"{bad}: its tokenizer (tokenizer.ggml.model 'llama') cannot tokenize the prompt with this "
+               "vocabulary (unordered_map::at)")
+    rt = dflash_llama.Runtime(bad, n_threads=1, n_ctx=64)  # it loads: the tokenizer fails on use
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        rt.tokenize("hi")
+    res = subprocess.run([str(paths.tool("llama-dflash-cli")), "-m", str(bad), "--no-draft", "-p", "hi", "-n", "2",
+                          "-t", "1"], capture_output=True, text=True, timeout=120)
+    assert (res.returncode, res.stdout, res.stderr) == (2, "", f"llama-dflash-cli: error: {message}\n")
+
+
 CHILD = """
 import sys, dflash_llama
 try:
