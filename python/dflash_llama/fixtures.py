@@ -1,7 +1,8 @@
 """Tiny deterministic models for tests and the parity registry.
 
-- a tiny *qwen3* target as a Hugging Face directory (random weights from a fixed seed) holding
-  SmolLM2's tokenizer, and its GGUF written by the pinned llama.cpp converter;
+- a tiny target as a Hugging Face directory (random weights from a fixed seed) holding SmolLM2's
+  tokenizer, qwen3 unless another family is asked (families.py), and its GGUF written by the
+  pinned llama.cpp converter;
 - a tiny random DFlash draft for it in the published HF format (config.json + model.safetensors).
 
 Everything is built from a seed, so two builds give byte-identical files.
@@ -54,6 +55,7 @@ class TinyTargetConfig:
     rope_theta: float = 10000.0
     init_std: float = 0.2  # large: peaky logits, so argmax is stable across matmul orderings
     seed: int = 0
+    family: str = "qwen3"  # families.NAMES: which architecture these sizes build
 
 
 @dataclass
@@ -83,58 +85,59 @@ def _tokenizer_from_smollm2():
 
 
 def tiny_target_hf(out_dir: str | os.PathLike, cfg: TinyTargetConfig | None = None) -> Path:
-    """A random qwen3 causal LM with SmolLM2's tokenizer, saved as an HF directory (f32)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """A random causal LM of `cfg.family` (families.py) with SmolLM2's tokenizer, saved as an HF
+    directory (f32)."""
+    from . import families
 
     cfg = cfg or TinyTargetConfig()
+    families.get(cfg.family)  # an unknown family fails before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer_from_smollm2()
-    config = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=cfg.hidden,
-        intermediate_size=cfg.ffn,
-        num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=4096,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        initializer_range=cfg.init_std,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(cfg.seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
-    with torch.no_grad():  # random norm gains, so a swapped norm is visible in parity
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
+    model = families.build_model(cfg, tok)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
 
 
 def tiny_target_gguf(hf_dir: str | os.PathLike, out_path: str | os.PathLike,
-                     outtype: str = "f32") -> Path:
-    """Convert a tiny HF target to GGUF with the pinned llama.cpp converter."""
+                     outtype: str = "f32", family: str = "qwen3") -> Path:
+    """Convert a tiny HF target to GGUF with the pinned llama.cpp converter (with the arguments
+    its family needs)."""
+    from . import families
+
     out = Path(out_path)
-    run_pinned_converter([str(hf_dir), "--outfile", str(out), "--outtype", outtype])
+    fam = families.get(family)
+    run_pinned_converter([str(hf_dir), "--outfile", str(out), "--outtype", outtype, *fam.converter_args],
+                         trust_saved_tokenizer=fam.trust_saved_tokenizer)
     return out
 
 
-def run_pinned_converter(args: list[str]) -> None:
-    """Run the pinned `convert_hf_to_gguf.py` with its own gguf-py; raise with its stderr tail."""
+# Runs the converter script (argv[1]) after letting transformers trust the saved tokenizer class for
+# the model types named in argv[2] (comma-separated): for those, AutoTokenizer otherwise rebuilds
+# the vocabulary with its own pre-tokenizer, whose hash the pinned converter does not know.
+_TRUST_SAVED_TOKENIZER = """
+import os, runpy, sys
+from transformers.models.auto import tokenization_auto
+tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS.difference_update(sys.argv[2].split(","))
+script = sys.argv[1]
+sys.argv = [script, *sys.argv[3:]]
+sys.path.insert(0, os.path.dirname(script))
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def run_pinned_converter(args: list[str], trust_saved_tokenizer: tuple[str, ...] = ()) -> None:
+    """Run the pinned `convert_hf_to_gguf.py` with its own gguf-py; raise with its stderr tail.
+
+    trust_saved_tokenizer: model types whose saved tokenizer class transformers should keep
+    (families.Family.trust_saved_tokenizer)."""
     script = paths.llama_cpp_dir() / "convert_hf_to_gguf.py"
     env = dict(os.environ)
     env.pop("NO_LOCAL_GGUF", None)
-    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
-                            env=env)
+    argv = ([sys.executable, "-c", _TRUST_SAVED_TOKENIZER, str(script), ",".join(trust_saved_tokenizer)]
+            if trust_saved_tokenizer else [sys.executable, str(script)])
+    result = subprocess.run([*argv, *args], capture_output=True, text=True, env=env)
     if result.returncode != 0:
         tail = "\n".join(result.stderr.strip().splitlines()[-15:])
         raise RuntimeError(f"pinned convert_hf_to_gguf.py {' '.join(args)} failed:\n{tail}")
