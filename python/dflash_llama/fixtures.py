@@ -10,6 +10,7 @@ Everything is built from a seed, so two builds give byte-identical files.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -77,7 +78,10 @@ class TinyDraftConfig:
     extra_config: dict = field(default_factory=dict)
 
 
+@functools.lru_cache(maxsize=1)
 def _tokenizer_from_smollm2():
+    """SmolLM2's tokenizer, read from its GGUF once per process (seconds: the vocabulary is
+    rebuilt in Python); only saved, never changed."""
     from transformers import AutoTokenizer
 
     gguf = smollm2_gguf()

@@ -1,0 +1,118 @@
+"""Every target family with published DFlash drafts: greedy DFlash output equals plain greedy output.
+
+One tiny target per family (dflash_llama.families: transformers config, random weights from a seed,
+the pinned llama.cpp converter), f32, and a random 2-layer draft with a 16-token block converted by
+our converter against the target's GGUF. The block sizes 2, 4, 8 and 16 are the runtime's per-request
+`block_size` (the number of positions the draft decodes: the last token and block_size - 1 MASKs,
+every drafted token verified when draft_max is None), so one draft per family serves all of them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import dflash_llama
+from dflash_llama import families, fixtures
+from dflash_llama._gguf import gguf_info
+from dflash_llama.converter import convert
+from dflash_llama.prompts import humaneval
+
+# family -> the llama.cpp architecture its GGUF declares
+GGUF_ARCH = {"qwen3": "qwen3", "llama": "llama", "qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss",
+             "gemma3": "gemma3", "qwen35": "qwen35", "qwen35moe": "qwen35moe"}
+BLOCK_SIZES = [2, 4, 8, 16]
+DRAFT_MAX = [None, "auto"]  # every drafted token verified; the adaptive loop
+N_NEW = 16
+OTHER_PROMPTS = [
+    "def fibonacci(n):", "The capital of France is", "import numpy as np\n", "Once upon a time",
+    "# Sort a list in Python\n", "class Stack:\n    def __init__(self):", "1, 2, 3, 4,", "SELECT * FROM",
+    "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", "for i in range(10):",
+]
+PROMPTS = [p.text for p in humaneval()[:20]] + OTHER_PROMPTS
+
+
+def test_the_family_table():
+    assert families.NAMES == tuple(GGUF_ARCH)
+    assert fixtures.TinyTargetConfig().family == "qwen3"
+    with pytest.raises(ValueError, match=r"^unknown target family 'mamba': known families are qwen3, llama, "
+                                         r"qwen3moe, gpt-oss, gemma3, qwen35, qwen35moe$"):
+        fixtures.tiny_target_hf(Path("/nonexistent/never-written"), fixtures.TinyTargetConfig(family="mamba"))
+
+
+class Pair:
+    def __init__(self, family: str, root: Path):
+        self.family = family
+        self.hf = fixtures.tiny_target_hf(root / "target-hf", fixtures.TinyTargetConfig(family=family))
+        self.target = fixtures.tiny_target_gguf(self.hf, root / "target-f32.gguf", family=family)
+        draft_hf = fixtures.tiny_draft_hf(root / "draft-hf", self.hf, fixtures.TinyDraftConfig(
+            layers=2, target_layer_ids=[1, 2], block_size=16, seed=41))
+        self.draft = convert(draft_hf, self.target, root / "draft-f32.gguf", outtype="f32")
+        self.rt = dflash_llama.Runtime(self.target, self.draft, n_threads=1, n_ctx=512, n_batch=64)
+
+
+@pytest.fixture(scope="session", params=families.NAMES)
+def pair(request, tmp_path_factory) -> Pair:
+    return Pair(request.param, tmp_path_factory.mktemp(f"family_{request.param}"))
+
+
+def assert_same(spec, ar, where: str):
+    assert spec.tokens == ar.tokens, f"{where}: speculative output differs from target greedy output"
+    assert spec.stop_reason == ar.stop_reason, where
+    assert sum(s.produced for s in spec.steps) == len(spec.tokens) - 1, where  # the first token: prefill
+    for s in spec.steps:
+        assert 0 <= s.accepted <= len(s.drafted) and 1 <= s.produced <= s.accepted + 1, where
+
+
+def test_the_target_is_its_family(pair):
+    config = json.loads((pair.hf / "config.json").read_text())
+    assert config["architectures"] == [families.get(pair.family).model_class]
+    assert gguf_info(pair.target).architecture == GGUF_ARCH[pair.family]
+    assert pair.rt.n_layer == 4 and pair.rt.n_embd == 64 and pair.rt.n_vocab == 49152
+    assert pair.rt.block_size == 16 and pair.rt.target_layer_ids == [1, 2]
+
+
+def test_greedy_dflash_equals_plain_decoding(pair):
+    """30 prompts x block sizes 2, 4, 8, 16, the whole block verified on even prompts and the adaptive
+    loop on odd ones (15 prompts per block size and draft length): each generation equals plain
+    greedy decoding token for token."""
+    assert len(PROMPTS) == 30
+    for i, prompt in enumerate(PROMPTS):
+        ar = pair.rt.autoregressive(prompt, N_NEW)
+        assert len(set(ar.tokens)) > 1, f"{pair.family}: prompt {i} repeats one token"  # a live target
+        draft_max = DRAFT_MAX[i % 2]
+        for block in BLOCK_SIZES:
+            spec = pair.rt.generate(prompt, N_NEW, block_size=block, draft_max=draft_max)
+            assert_same(spec, ar, f"{pair.family}: prompt {i}, block {block}, draft_max {draft_max}")
+            assert all(len(s.drafted) <= block - 1 for s in spec.steps)
+            if draft_max is None:  # the first verify holds the whole block
+                assert len(spec.steps[0].drafted) == block - 1
+            else:  # the adaptive loop measures a plain decode first, then drafts
+                assert spec.steps[0].drafted == [] and len(spec.steps[1].drafted) == min(2, block - 1)
+
+
+@pytest.mark.parametrize("draft_max", DRAFT_MAX)
+def test_generation_ends_at_the_context_end(pair, draft_max):
+    rt = dflash_llama.Runtime(pair.target, pair.draft, n_threads=1, n_ctx=48, n_batch=32)
+    prompt = "import numpy as np\nimport torch\n"
+    n_prompt = len(rt.tokenize(prompt))
+    ar = rt.autoregressive(prompt, 200)
+    for block in (4, 16):
+        spec = rt.generate(prompt, 200, block_size=block, draft_max=draft_max)
+        assert_same(spec, ar, f"{pair.family}: context end, block {block}, draft_max {draft_max}")
+        assert spec.stop_reason == "context_full"
+        assert n_prompt + len(spec.tokens) == 48
+
+
+@pytest.mark.parametrize("draft_max", DRAFT_MAX)
+def test_generation_ends_at_a_stop_token(pair, draft_max):
+    full = pair.rt.autoregressive("Once upon a time", 30)
+    stop = full.tokens[9]
+    first = full.tokens.index(stop)
+    ar = pair.rt.autoregressive("Once upon a time", 30, stop_tokens=[stop])
+    assert ar.stop_reason == "stop_token" and ar.tokens == full.tokens[:first + 1]
+    for block in (2, 8, 16):
+        spec = pair.rt.generate("Once upon a time", 30, stop_tokens=[stop], block_size=block, draft_max=draft_max)
+        assert_same(spec, ar, f"{pair.family}: stop token, block {block}, draft_max {draft_max}")
