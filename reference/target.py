@@ -5,11 +5,16 @@ forward gives logits and, when asked, the draft's context features: the concaten
 of `hidden_states[id + 1]` (the output of target layer `id`). For `id == n_layers - 1` transformers
 returns the FINAL-NORM output there, not the raw last layer output; the published reference reads
 it that way, and so do we (llama.cpp's capture of "input of layer id+1" has no such layer).
-The KV cache is a transformers DynamicCache, cropped back after each verify.
+The KV cache is a transformers DynamicCache, cropped back after each verify. A cache with
+recurrent layers (Gated DeltaNet, Mamba) cannot be cropped: transformers' crop cuts their
+convolution window only and leaves the recurrent state after the whole block. For such a cache
+each forward keeps a copy of the state before it, and a crop restores that copy and runs the kept
+tokens again, as the runtime's checkpoint rollback does.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 from dataclasses import dataclass
@@ -113,10 +118,28 @@ class Target:
             cache.activate_past_recording()
         return cache
 
+    def crop(self, cache, length: int) -> None:
+        """Drop every cached position >= length (for a recurrent cache: within the last forward)."""
+        checkpoint = getattr(cache, "_before_last_forward", None)
+        if checkpoint is None:
+            cache.crop(length - cache.get_seq_length())
+            return
+        layers, start, ids = checkpoint
+        if length == start + len(ids):
+            return
+        if not start <= length < start + len(ids):
+            raise ValueError(f"a recurrent cache rolls back within its last forward (positions {start}.."
+                             f"{start + len(ids) - 1}), not to {length}")
+        cache.layers = layers
+        cache._before_last_forward = None
+        if length > start:
+            self.forward(ids[:length - start], start, cache)
+
     @staticmethod
-    def crop(cache, length: int) -> None:
-        """Drop every cached position >= length."""
-        cache.crop(length - cache.get_seq_length())
+    def _is_recurrent(cache) -> bool:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+        return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor | list[int], start: int, cache,
@@ -131,6 +154,8 @@ class Target:
         if cache.get_seq_length() != start:
             raise ValueError(f"the target cache holds {cache.get_seq_length()} tokens, "
                              f"not {start}")
+        if self._is_recurrent(cache):
+            cache._before_last_forward = (copy.deepcopy(cache.layers), start, ids[0].tolist())
         positions = torch.arange(start, start + ids.shape[1])[None]
         want = bool(feature_layers)
         out = self.model(input_ids=ids, position_ids=positions, use_cache=True,

@@ -32,7 +32,7 @@ void refuse_unsupported(const gguf_keys & kv, const std::string & path) {
             fail(path, std::string("'") + key + "': DFlash2 drafts (convolutions + candidate selector) are not supported yet");
         }
     }
-    for (const char * key : { "dflash.attention.value_scale", "dflash.attention.scale", "dflash.rope.dimension_sections",
+    for (const char * key : { "dflash.attention.value_scale", "dflash.attention.scale",
                               "dflash.has_confidence_head", "dflash.hyper_connection.count" }) {
         if (kv.has(key)) {
             fail(path, std::string("'") + key + "' is not supported by this runtime yet");
@@ -79,6 +79,29 @@ void read_sizes(const gguf_keys & kv, draft_hparams & hp) {
     }
 }
 
+// M-RoPE sections, as drafts for M-RoPE targets (Qwen3.5/3.6) carry them. The pinned graph then ropes
+// with ggml_rope_multi; a text position is the same in the temporal, height and width sections and 0
+// in the fourth, so sections [s, 0, 0, 0] put every frequency on the temporal position: exactly the
+// NeoX RoPE this graph computes (and the published model's 1-D rotary). Other sections would rope
+// some frequencies with another position: refused.
+void read_rope_sections(const gguf_keys & kv) {
+    const char * key = "dflash.rope.dimension_sections";
+    if (!kv.has(key)) {
+        return;
+    }
+    const std::vector<int64_t> s = kv.integers(key, 4, 0, MAX_HEAD_DIM);
+    for (size_t i = 1; i < s.size(); ++i) {
+        if (s[i] != 0) {
+            std::string shown;
+            for (const int64_t v : s) {
+                shown += (shown.empty() ? "" : ", ") + std::to_string(v);
+            }
+            fail(kv.path(), std::string("'") + key + "' is [" + shown + "]: only the temporal M-RoPE section is "
+                            "supported ([n, 0, 0, 0], as drafts for M-RoPE targets carry)");
+        }
+    }
+}
+
 // RoPE, norms and scales: types checked, floats finite and in range.
 void read_scalars(const gguf_keys & kv, draft_hparams & hp) {
     constexpr double big = 1e30;
@@ -90,6 +113,7 @@ void read_scalars(const gguf_keys & kv, draft_hparams & hp) {
         fail(kv.path(), "'dflash.rope.scaling.type' is '" + display_string(scaling) +
                         "': only none and linear RoPE scaling are supported");
     }
+    read_rope_sections(kv);
     hp.rms_eps         = (float) kv.number("dflash.attention.layer_norm_rms_epsilon", 0.0, 1.0);
     hp.embedding_scale = (float) kv.number_or("dflash.embedding_scale", 1.0, -big, big);
     hp.logit_scale     = (float) kv.number_or("dflash.logit_scale", 1.0, -big, big);

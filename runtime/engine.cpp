@@ -22,6 +22,8 @@ engine::engine(const engine_params & params) {
         throw std::invalid_argument("the context (" + std::to_string(target_->n_ctx()) + " tokens) is smaller than one draft block (" +
                                     std::to_string(draft_model_->hparams.block_size) + " tokens): raise n_ctx / -c");
     }
+    // a verify of up to block_size tokens keeps at least its first: at most block_size - 1 are rolled back
+    target_->reserve_rollback(draft_model_->hparams.block_size - 1);
     const int32_t n_threads = params.target.n_threads > 0 ? params.target.n_threads
                                                           : (int32_t) llama_n_threads(target_->context());
     draft_runner_ = std::make_unique<draft_runner>(*draft_model_, target_->model(), target_->n_ctx(), n_threads,

@@ -58,6 +58,9 @@ target_runner::target_runner(const target_params & params) {
         throw std::invalid_argument("n_threads must be in [1, " + std::to_string(GGML_MAX_N_THREADS) +
                                     "] (0 or -1: all CPUs), got " + std::to_string(params.n_threads));
     }
+    if (params.n_seq < 1) {
+        throw std::invalid_argument("n_seq must be at least 1, got " + std::to_string(params.n_seq));
+    }
     if ((int64_t) params.n_ctx * params.n_seq > INT32_MAX) {
         throw std::invalid_argument("n_ctx * n_seq must be at most " + std::to_string(INT32_MAX) + ", got " +
                                     std::to_string((int64_t) params.n_ctx * params.n_seq));
@@ -67,7 +70,7 @@ target_runner::target_runner(const target_params & params) {
 
     llama_model_params mparams = llama_model_default_params();
     mparams.n_gpu_layers = params.n_gpu_layers;
-    path_  = params.path;
+    params_ = params;
     model_ = llama_model_load_from_file(params.path.c_str(), mparams);
     if (model_ == nullptr) {
         const std::string why = last_error();
@@ -85,17 +88,29 @@ target_runner::target_runner(const target_params & params) {
     n_vocab_ = llama_vocab_n_tokens(vocab_);
     n_layer_ = llama_model_n_layer(model_);
 
+    n_seq_ = params.n_seq;
+    try {
+        make_context(0);
+    } catch (...) {
+        llama_model_free(model_);
+        model_ = nullptr;
+        throw;
+    }
+    // llama.cpp may round the context up; the caller's size is the limit we honour
+    n_ctx_   = std::min((int32_t) llama_n_ctx_seq(ctx_), params.n_ctx);
+    n_batch_ = (int32_t) llama_n_batch(ctx_);
+}
+
+void target_runner::make_context(int32_t n_rs_seq) {
+    const target_params & params = params_;
     const int32_t n_threads = params.n_threads > 0 ? params.n_threads
                                                    : (int32_t) std::max(1u, std::thread::hardware_concurrency());
     llama_context_params cparams = llama_context_default_params();
-    if (params.n_seq < 1) {
-        throw std::invalid_argument("n_seq must be at least 1, got " + std::to_string(params.n_seq));
-    }
-    n_seq_ = params.n_seq;
     cparams.n_ctx             = (uint32_t) params.n_ctx * (uint32_t) params.n_seq;
     cparams.n_batch           = (uint32_t) params.n_batch;
     cparams.n_ubatch          = (uint32_t) params.n_batch;  // one graph per chunk: capture sees whole chunks
     cparams.n_seq_max         = (uint32_t) params.n_seq;
+    cparams.n_rs_seq          = (uint32_t) n_rs_seq;
     cparams.kv_unified        = false;  // each sequence attends only to its own cells
     cparams.n_threads         = n_threads;
     cparams.n_threads_batch   = n_threads;
@@ -109,16 +124,79 @@ target_runner::target_runner(const target_params & params) {
     }
     cparams.cb_eval           = &target_runner::on_eval;
     cparams.cb_eval_user_data = this;
+    if (ctx_ != nullptr) {
+        llama_free(ctx_);
+        ctx_ = nullptr;
+    }
+    clear_last_error();
     ctx_ = llama_init_from_model(model_, cparams);
     if (ctx_ == nullptr) {
         const std::string why = last_error();
-        llama_model_free(model_);
         throw std::runtime_error(params.path + ": llama.cpp could not create a context" +
                                  (why.empty() ? std::string() : " (" + why + ")"));
     }
-    // llama.cpp may round the context up; the caller's size is the limit we honour
-    n_ctx_   = std::min((int32_t) llama_n_ctx_seq(ctx_), params.n_ctx);
-    n_batch_ = (int32_t) llama_n_batch(ctx_);
+}
+
+std::string target_runner::architecture() const {
+    char arch[64] = "?";
+    llama_model_meta_val_str(model_, "general.architecture", arch, sizeof(arch));
+    return arch;
+}
+
+bool target_runner::has_recurrent_state() const {
+    return llama_model_is_recurrent(model_) || llama_model_is_hybrid(model_);
+}
+
+void target_runner::reserve_rollback(int32_t n_tokens) {
+    if (!has_recurrent_state() || n_tokens <= n_rollback_) {
+        return;
+    }
+    // a recurrent state (Gated DeltaNet, Mamba, ...) holds no per-token history. llama.cpp keeps
+    // n_rs_seq snapshots of it, one per token of the last batch, for the architectures that support
+    // it; for the others each decode saves the state first and a rollback replays the kept tokens
+    make_context(n_tokens);
+    checkpoint_ = (int32_t) llama_n_rs_seq(ctx_) < n_tokens;
+    if (checkpoint_) {
+        make_context(0);
+        const size_t size = llama_state_seq_get_size_ext(ctx_, 0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+        if (size == 0) {
+            throw std::invalid_argument(params_.path + ": architecture '" + architecture() + "' keeps a recurrent "
+                                        "state that llama.cpp can neither roll back nor save, so a draft's rejected "
+                                        "tokens could not be undone: speculative decoding is not supported for it");
+        }
+    }
+    n_rollback_ = n_tokens;
+}
+
+void target_runner::save_checkpoint(const int32_t * tokens, int32_t n, int32_t pos0) {
+    const size_t size = llama_state_seq_get_size_ext(ctx_, 0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+    ckpt_state_.resize(size);
+    if (llama_state_seq_get_data_ext(ctx_, ckpt_state_.data(), size, 0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) != size) {
+        throw std::runtime_error(params_.path + ": llama.cpp could not save the target's recurrent state");
+    }
+    ckpt_tokens_.assign(tokens, tokens + n);
+    ckpt_pos0_ = pos0;
+}
+
+// Back to the state before the last decode, then the kept tokens [ckpt_pos0_, pos) decoded again:
+// the same batch computation as before, so the state and the features equal the first pass's.
+void target_runner::replay_to(int32_t pos) {
+    const std::vector<uint8_t> state = std::move(ckpt_state_);
+    const std::vector<int32_t> kept(ckpt_tokens_.begin(), ckpt_tokens_.begin() + (pos - ckpt_pos0_));
+    const int32_t pos0 = ckpt_pos0_;
+    if (llama_state_seq_set_data_ext(ctx_, state.data(), state.size(), 0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) == 0) {
+        throw std::runtime_error(params_.path + ": llama.cpp could not restore the target's recurrent state");
+    }
+    // the attention layers of a hybrid drop the whole last decode (the restored state ends before it)
+    if (!llama_memory_seq_rm(llama_get_memory(ctx_), 0, pos0, -1)) {
+        throw std::runtime_error(params_.path + ": llama.cpp could not drop the target's cache from position " +
+                                 std::to_string(pos0));
+    }
+    if (!kept.empty()) {
+        decode(kept.data(), (int32_t) kept.size(), pos0, /*all_logits=*/false);
+    } else {
+        ckpt_tokens_.clear();
+    }
 }
 
 target_runner::~target_runner() {
@@ -192,6 +270,9 @@ void target_runner::decode(const int32_t * tokens, int32_t n, int32_t pos0, bool
     logit_rows_.clear();
     logits_.clear();
 
+    if (checkpoint_) {
+        save_checkpoint(tokens, n, pos0);
+    }
     const bool keep_all = all_logits || needs_all_rows_;
     llama_batch batch = llama_batch_init(n_batch_, 0, 1);
     for (int32_t off = 0; off < n; off += n_batch_) {
@@ -254,6 +335,7 @@ void target_runner::decode_multi(const std::vector<int32_t> & tokens, const std:
     }
     tap_names_.clear();
     tap_rows_.clear();
+    ckpt_tokens_.clear();  // batched decoding rolls back whole sequences only
     llama_batch batch = llama_batch_init(n, 0, 1);
     batch.n_tokens = n;
     for (int32_t i = 0; i < n; ++i) {
@@ -288,11 +370,28 @@ void target_runner::decode_multi(const std::vector<int32_t> & tokens, const std:
 }
 
 void target_runner::rollback_seq(int32_t seq, int32_t pos) {
-    llama_memory_seq_rm(llama_get_memory(ctx_), seq, pos, -1);
+    // a recurrent state rolls back at most n_rollback_ tokens, once per decode; a full clear always works
+    if (!llama_memory_seq_rm(llama_get_memory(ctx_), seq, pos, -1)) {
+        throw std::runtime_error(params_.path + ": llama.cpp could not roll the target's memory (architecture '" +
+                                 architecture() + "') back to position " + std::to_string(pos) +
+                                 (has_recurrent_state() ? " (its recurrent state keeps " + std::to_string(n_rollback_) +
+                                                          " per-token snapshots)" : std::string()));
+    }
 }
 
 void target_runner::rollback(int32_t pos) {
-    llama_memory_seq_rm(llama_get_memory(ctx_), 0, pos, -1);
+    const int32_t ckpt_end = ckpt_pos0_ + (int32_t) ckpt_tokens_.size();
+    if (checkpoint_ && pos > 0 && pos < ckpt_end) {
+        if (pos < ckpt_pos0_) {
+            throw std::runtime_error(params_.path + ": the target's recurrent state (architecture '" + architecture() +
+                                     "') can only roll back into its last decode, at positions " +
+                                     std::to_string(ckpt_pos0_) + ".." + std::to_string(ckpt_end - 1) +
+                                     ", not to " + std::to_string(pos));
+        }
+        replay_to(pos);
+        return;
+    }
+    rollback_seq(0, pos);
 }
 
 std::vector<int32_t> target_runner::tokenize(const std::string & text, bool add_special) const {
@@ -317,7 +416,7 @@ std::vector<int32_t> target_runner::tokenize(const std::string & text, bool add_
 void target_runner::vocab_error(const char * what, const std::exception & e) const {
     char model[64] = "?";
     llama_model_meta_val_str(model_, "tokenizer.ggml.model", model, sizeof(model));
-    throw std::invalid_argument(path_ + ": its tokenizer (tokenizer.ggml.model '" + model + "') cannot " + what +
+    throw std::invalid_argument(params_.path + ": its tokenizer (tokenizer.ggml.model '" + model + "') cannot " + what +
                                 " with this vocabulary (" + e.what() + ")");
 }
 

@@ -52,8 +52,17 @@ public:
     // [n, n_taps * n_embd] row-major: features of the last decode's tokens, taps concatenated.
     const std::vector<float> & features() const { return features_; }
 
-    // Drops the KV cache from position pos on.
+    // Drops the KV cache from position pos on. Throws std::runtime_error if llama.cpp cannot.
     void rollback(int32_t pos);
+
+    // Lets rollback() drop up to n_tokens tokens of the last decode, as speculative decoding needs.
+    // Attention-only targets always can. A target with a recurrent state (hybrid or recurrent) gets a
+    // new context with n_tokens per-token snapshots of it where llama.cpp keeps them for its
+    // architecture; elsewhere each decode saves the state and a rollback restores it and decodes the
+    // kept tokens again. std::invalid_argument naming the architecture if neither works.
+    void reserve_rollback(int32_t n_tokens);
+    bool has_recurrent_state() const;
+    std::string architecture() const;
 
     std::vector<int32_t> tokenize(const std::string & text, bool add_special) const;
     std::string          piece(int32_t token) const;
@@ -73,8 +82,18 @@ private:
     static bool on_eval(struct ggml_tensor * t, bool ask, void * user_data);
     [[noreturn]] void vocab_error(const char * what, const std::exception & e) const;
     int32_t tap_of(const char * name) const;
+    void make_context(int32_t n_rs_seq);  // (re)creates ctx_ from params_
+    void save_checkpoint(const int32_t * tokens, int32_t n, int32_t pos0);
+    void replay_to(int32_t pos);
 
-    std::string         path_;
+    target_params       params_;
+    int32_t             n_rollback_ = 0;  // tokens a rollback may drop (recurrent state only)
+    // checkpoint mode (a recurrent state llama.cpp keeps no snapshots of): the state before the
+    // last decode, and that decode's tokens
+    bool                 checkpoint_ = false;
+    std::vector<uint8_t> ckpt_state_;
+    std::vector<int32_t> ckpt_tokens_;
+    int32_t              ckpt_pos0_ = 0;
     llama_model *       model_ = nullptr;
     llama_context *     ctx_   = nullptr;
     const llama_vocab * vocab_ = nullptr;

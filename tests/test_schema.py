@@ -21,7 +21,7 @@ KEY_LITERAL = re.compile(r'"(dflash\.[A-Za-z0-9_.]+)"')
 # one planted value per refused key, one planted tensor per refused tensor ("{bid}" -> 0)
 PLANTED_KEYS = {
     S.HIDDEN_ACTIVATION: "gelu", S.ATTENTION_SCALE: 0.5, S.VALUE_SCALE: 0.5,
-    S.ROPE_DIMENSION_SECTIONS: [8, 0, 0, 0], S.ROPE_SCALING_TYPE: "yarn", S.VALUE_LENGTH: 8,
+    S.ROPE_DIMENSION_SECTIONS: [4, 2, 2, 0], S.ROPE_SCALING_TYPE: "yarn", S.VALUE_LENGTH: 8,
     S.ROPE_DIMENSION_COUNT: 8, S.CONV_KERNEL_SIZE: 4, S.CONV_GROUP_SIZE: 4, S.SELECTOR_RANK: 4,
     S.SELECTOR_TOP_K: 4, S.SAMPLE_FROM_ANCHOR: True, S.HAS_CONFIDENCE_HEAD: True,
     S.HYPER_CONNECTION_COUNT: 4,

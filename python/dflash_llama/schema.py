@@ -20,7 +20,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from gguf import GGML_QUANT_VERSION, GGUFValueType
@@ -171,6 +171,14 @@ class Refusal:
     allowed: tuple = ()  # a key is refused when present, unless its value is one of these
     same_as: str | None = None  # ... or equals this key (with llama.cpp's default)
     tensor: bool = False
+    accept: Callable[[Any], bool] | None = None  # ... or passes this test
+
+
+def temporal_rope_sections(value: Any) -> bool:
+    """M-RoPE sections [n, 0, 0, 0]: a text position is the same in the temporal, height and width
+    sections (0 in the fourth), so every frequency ropes with the temporal position, which is the
+    NeoX RoPE our graph and the published model compute. Other sections are not."""
+    return isinstance(value, list) and 0 < len(value) <= 4 and all(v == 0 for v in value[1:])
 
 
 _DFLASH2 = "DFlash 2 drafts (convolutions + candidate selector) are not supported"
@@ -178,7 +186,8 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(HIDDEN_ACTIVATION, "only silu FFNs are supported", allowed=("silu",)),
     Refusal(ATTENTION_SCALE, "a custom attention scale is not supported"),
     Refusal(VALUE_SCALE, "V scaling is not supported"),
-    Refusal(ROPE_DIMENSION_SECTIONS, "M-RoPE drafts are not supported"),
+    Refusal(ROPE_DIMENSION_SECTIONS, "only the temporal M-RoPE section is supported ([n, 0, 0, 0], as drafts "
+            "for M-RoPE targets carry)", accept=temporal_rope_sections),
     Refusal(ROPE_SCALING_TYPE, "only none and linear RoPE scaling are supported", allowed=("none", "linear")),
     Refusal(VALUE_LENGTH, "value_length different from key_length is not supported", same_as=KEY_LENGTH),
     Refusal(ROPE_DIMENSION_COUNT, "partial RoPE (dimension_count != key_length) is not supported",
@@ -216,7 +225,8 @@ def refusals(kv: dict[str, Any], tensor_names=()) -> list[str]:
         if r.tensor or r.name not in kv:
             continue
         value = kv[r.name]
-        if value in r.allowed or (r.same_as is not None and value == _head_dim(kv)):
+        if (value in r.allowed or (r.same_as is not None and value == _head_dim(kv))
+                or (r.accept is not None and r.accept(value))):
             continue
         out.append(f"'{r.name}' = {value!r}: {r.why}")
     refused = [(_pattern(r.name), r.why) for r in REFUSALS if r.tensor]
