@@ -89,7 +89,8 @@ int32_t draft_policy::best(int32_t n_min) const {
     return pick;
 }
 
-void draft_policy::note_choice(int32_t n) {
+// The step taken (the caller may cut the choice near the end), predicted from the costs before it.
+void draft_policy::note_step(int32_t n) {
     (n == 0 ? summary_.plain_steps : summary_.draft_steps) += 1;
     summary_.drafted += n;
     const double ms = expected_ms(n);
@@ -118,7 +119,6 @@ int32_t draft_policy::choose() {
             countdown_  = interval_ - 1;
         }
     }
-    note_choice(n);
     return n;
 }
 
@@ -130,6 +130,7 @@ void draft_policy::decay() {
 }
 
 void draft_policy::observe_plain(double t_ms) {
+    note_step(0);
     verify_[1].add(t_ms);
     decay();
 }
@@ -139,6 +140,7 @@ void draft_policy::observe_draft(int32_t n, int32_t accepted, double t_draft_ms,
         throw std::invalid_argument("draft_policy: a step of " + std::to_string(n) + " drafted, " + std::to_string(accepted) +
                                " accepted");
     }
+    note_step(n);
     draft_[n].add(t_draft_ms);
     verify_[n + 1].add(t_verify_ms);
     decay();

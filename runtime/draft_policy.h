@@ -62,7 +62,7 @@ private:
     int32_t best(int32_t n_min) const;
     double  verify_ms(int32_t k) const;   // k tokens in one target decode; k = 1 is a plain step
     double  draft_ms(int32_t n) const;
-    void    note_choice(int32_t n);
+    void    note_step(int32_t n);
     void    decay();
 
     int32_t max_draft_;

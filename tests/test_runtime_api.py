@@ -63,19 +63,21 @@ def test_generation_record(rt):
     assert out.stats.t_total_ms >= out.stats.t_prefill_ms + out.stats.t_verify_ms
 
 
-def test_adaptive_generation_record(rt):
-    out = rt.generate("def fibonacci(n):", 24)  # draft_max="auto" by default
+@pytest.mark.parametrize("n_new", [24, 3])
+def test_adaptive_generation_record(rt, n_new):
+    """What the policy reports is the steps taken: with 3 tokens the second step's N = 2 is cut to 1."""
+    out = rt.generate("def fibonacci(n):", n_new)  # draft_max="auto" by default
     p = out.policy
     assert isinstance(p, dflash_llama.runtime.Policy)
     assert p.plain_steps + p.draft_steps == len(out.steps)
     plain = [s for s in out.steps if not s.drafted]
     assert len(plain) == p.plain_steps and all(s.produced == 1 and s.accepted == 0 for s in plain)
-    assert out.steps[0].drafted == [] and len(out.steps[1].drafted) == 2  # measure plain, then drafting
+    assert out.steps[0].drafted == [] and len(out.steps[1].drafted) == min(2, n_new - 2)  # plain, then drafting
     drafting = [len(s.drafted) for s in out.steps if s.drafted]
     assert p.mean_draft == pytest.approx(sum(drafting) / len(drafting))
     assert 0 <= p.probes <= p.draft_steps
     assert out.to_json()["policy"]["plain_steps"] == p.plain_steps
-    assert out.tokens == rt.autoregressive("def fibonacci(n):", 24).tokens
+    assert out.tokens == rt.autoregressive("def fibonacci(n):", n_new).tokens
     with pytest.raises(ValueError, match="draft_max must be an integer, None or 'auto', got 'fast'"):
         rt.generate("def fibonacci(n):", 4, draft_max="fast")
 
