@@ -107,8 +107,11 @@ void target_runner::make_context(int32_t n_rs_seq) {
                                                    : (int32_t) std::max(1u, std::thread::hardware_concurrency());
     llama_context_params cparams = llama_context_default_params();
     cparams.n_ctx             = (uint32_t) params.n_ctx * (uint32_t) params.n_seq;
-    cparams.n_batch           = (uint32_t) params.n_batch;
-    cparams.n_ubatch          = (uint32_t) params.n_batch;  // one graph per chunk: capture sees whole chunks
+    // one graph per chunk, so capture sees whole chunks; llama.cpp keeps the last n_rs_seq + 1 tokens
+    // of a decode in one micro-batch for the snapshots, and asserts that it is larger than that
+    const uint32_t n_batch    = std::max((uint32_t) params.n_batch, n_rs_seq > 0 ? (uint32_t) n_rs_seq + 2 : 0u);
+    cparams.n_batch           = n_batch;
+    cparams.n_ubatch          = n_batch;
     cparams.n_seq_max         = (uint32_t) params.n_seq;
     cparams.n_rs_seq          = (uint32_t) n_rs_seq;
     cparams.kv_unified        = false;  // each sequence attends only to its own cells
@@ -158,6 +161,9 @@ void target_runner::reserve_rollback(int32_t n_tokens) {
     checkpoint_ = (int32_t) llama_n_rs_seq(ctx_) < n_tokens;
     if (checkpoint_) {
         make_context(0);
+    }
+    n_batch_ = (int32_t) llama_n_batch(ctx_);
+    if (checkpoint_) {
         const size_t size = llama_state_seq_get_size_ext(ctx_, 0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
         if (size == 0) {
             throw std::invalid_argument(params_.path + ": architecture '" + architecture() + "' keeps a recurrent "
