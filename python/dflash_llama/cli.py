@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "bench": ("dflash_llama.bench.cli", "measure acceptance and speed against baselines"),
     "train": ("dflash_llama.train.cli", "train a small DFlash draft for a target"),
     "run": ("dflash_llama.run_cli", "the main job: speculative decoding on the embedded default pair"),
+    "fetch": ("dflash_llama.fetch_cli", "download a real target GGUF on demand (cached), print its path"),
 }
 
 
