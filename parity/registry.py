@@ -1,8 +1,9 @@
 """The registry of model pairs (parity/registry.toml) and the files each pair needs, built on demand.
 
-Tiny fixtures are built from seeds into a cache folder (`$DFLASH_LLAMA_CACHE`, else
-`~/.cache/dflash-llama`), once; GGUFs are converted with our converter. A `files` pair whose files
-are missing is skipped.
+Tiny fixtures (a target of the pair's `family`, qwen3 unless named, and a draft) are built from
+seeds into a cache folder (`$DFLASH_LLAMA_CACHE`, else `~/.cache/dflash-llama`), once, under names
+holding the family; GGUFs are converted with our converter. A `files` pair whose files
+are missing is skipped, and so is a pair whose `skip` says why it cannot run today.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Pair:
     target_hf: str | None = None
     expect: str = "pass"
     finding: str | None = None
+    family: str = "qwen3"  # kind = fixture: the tiny target's family (dflash_llama.families)
+    skip: str | None = None  # why the pair cannot run today (printed; `--all` goes on)
 
 
 @dataclass
@@ -50,15 +53,25 @@ def load(path: str | os.PathLike = REGISTRY_PATH) -> tuple[list[Pair], dict]:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ValueError(f"{path}: cannot read the parity registry ({e})") from e
+    from dflash_llama import families
+
     pairs = []
     for i, raw in enumerate(data.get("pair", [])):
         if "name" not in raw or raw.get("kind") not in ("fixture", "default", "files"):
             raise ValueError(f"{path}: pair {i} needs a name and kind = fixture, default or files")
+        if "family" in raw and raw["kind"] != "fixture":
+            raise ValueError(f"{path}: pair {raw['name']}: family applies to kind = fixture only")
+        family = raw.get("family", "qwen3")
+        try:
+            families.get(family)
+        except ValueError as e:
+            raise ValueError(f"{path}: pair {raw['name']}: {e}") from None
         pairs.append(Pair(name=raw["name"], kind=raw["kind"], outtype=raw.get("outtype"),
                           draft_cfg=dict(raw.get("draft", {})) if raw["kind"] == "fixture" else {},
                           target=raw.get("target"), draft=raw.get("draft") if raw["kind"] == "files" else None,
                           draft_hf=raw.get("draft_hf"), target_hf=raw.get("target_hf"),
-                          expect=raw.get("expect", "pass"), finding=raw.get("finding")))
+                          expect=raw.get("expect", "pass"), finding=raw.get("finding"), family=family,
+                          skip=raw.get("skip")))
     names = [p.name for p in pairs]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -84,15 +97,15 @@ def _expand(p: str | None) -> Path | None:
     return None if p is None else Path(os.path.expandvars(os.path.expanduser(p)))
 
 
-def tiny_target(cache: Path) -> tuple[Path, Path]:
-    """The tiny fixture target: (HF dir, f32 GGUF), built once."""
+def tiny_target(cache: Path, family: str = "qwen3") -> tuple[Path, Path]:
+    """The tiny fixture target of a family: (HF dir, f32 GGUF), built once."""
     from dflash_llama import fixtures
 
-    hf, gguf = cache / "tiny-target-hf", cache / "tiny-target-f32.gguf"
+    hf, gguf = cache / f"tiny-target-{family}-hf", cache / f"tiny-target-{family}-f32.gguf"
     if not (hf / "config.json").exists():
-        fixtures.tiny_target_hf(hf)
+        fixtures.tiny_target_hf(hf, fixtures.TinyTargetConfig(family=family))
     if not gguf.exists():
-        fixtures.tiny_target_gguf(hf, gguf.with_suffix(".tmp"), outtype="f32")
+        fixtures.tiny_target_gguf(hf, gguf.with_suffix(".tmp"), outtype="f32", family=family)
         gguf.with_suffix(".tmp").rename(gguf)
     return hf, gguf
 
@@ -111,14 +124,16 @@ def resolve(pair: Pair, defaults: dict, cache: Path | None = None) -> Resolved:
     """Build (or find) the files of a pair."""
     from dflash_llama import fixtures
 
+    if pair.skip:
+        return Resolved(pair, skip=pair.skip)
     cache = cache or cache_dir()
     if pair.kind == "fixture":
-        target_hf, target = tiny_target(cache)
+        target_hf, target = tiny_target(cache, pair.family)
         cfg = fixtures.TinyDraftConfig(**pair.draft_cfg)
-        hf = cache / f"{pair.name}-draft-hf"
+        hf = cache / f"{pair.name}-{pair.family}-draft-hf"
         if not (hf / "model.safetensors").exists():
             fixtures.tiny_draft_hf(hf, target_hf, cfg)
-        draft = _converted(hf, target, cache / f"{pair.name}-draft-{pair.outtype}.gguf", pair.outtype)
+        draft = _converted(hf, target, cache / f"{pair.name}-{pair.family}-draft-{pair.outtype}.gguf", pair.outtype)
         return Resolved(pair, target=target, draft=draft, draft_hf=hf, target_hf=target_hf)
     if pair.kind == "default":
         target = fixtures.smollm2_gguf()

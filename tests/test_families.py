@@ -51,6 +51,24 @@ class Pair:
             layers=2, target_layer_ids=[1, 2], block_size=16, seed=41))
         self.draft = convert(draft_hf, self.target, root / "draft-f32.gguf", outtype="f32")
         self.rt = dflash_llama.Runtime(self.target, self.draft, n_threads=1, n_ctx=512, n_batch=64)
+        self.root = root
+
+    def accepting(self) -> tuple[dflash_llama.Runtime, str]:
+        """A runtime whose draft always proposes the token the target repeats most often after one
+        of OTHER_PROMPTS (fixtures.constant_draft_hf), and that prompt: drafts are accepted, in part."""
+        best = []
+        for prompt in OTHER_PROMPTS:
+            tokens = self.rt.autoregressive(prompt, 48).tokens
+            best += [(tokens.count(t), -i, t, prompt) for i, t in enumerate(tokens)]
+        for candidate in sorted(best, reverse=True):
+            try:
+                hf = fixtures.constant_draft_hf(self.root / "constant-hf", self.target, candidate[2],
+                                                fixtures.TinyDraftConfig(layers=1, block_size=16))
+                break
+            except ValueError:  # that token cannot win the draft's head: the next most repeated
+                continue
+        draft = convert(hf, self.target, self.root / "constant-f32.gguf", outtype="f32")
+        return dflash_llama.Runtime(self.target, draft, n_threads=1, n_ctx=512, n_batch=64), candidate[3]
 
 
 @pytest.fixture(scope="session", params=families.NAMES)
@@ -91,6 +109,23 @@ def test_greedy_dflash_equals_plain_decoding(pair):
                 assert len(spec.steps[0].drafted) == block - 1
             else:  # the adaptive loop measures a plain decode first, then drafts
                 assert spec.steps[0].drafted == [] and len(spec.steps[1].drafted) == min(2, block - 1)
+
+
+def test_accepted_drafts_keep_the_output_exact(pair):
+    """Drafts the target accepts, partly: the accept path (and for recurrent targets a rollback to a
+    state inside the verified block) leaves the output equal to plain greedy decoding."""
+    rt, prompt = pair.accepting()
+    ar = rt.autoregressive(prompt, 48)
+    accepted = {}
+    for block in BLOCK_SIZES:
+        for draft_max in DRAFT_MAX:
+            spec = rt.generate(prompt, 48, block_size=block, draft_max=draft_max)
+            assert_same(spec, ar, f"{pair.family}: constant draft, block {block}, draft_max {draft_max}")
+            accepted[block, draft_max] = sum(s.accepted for s in spec.steps)
+    assert all(accepted[block, None] > 0 for block in BLOCK_SIZES), accepted
+    # a partial accept: some step kept some of its drafted tokens, not all
+    spec = rt.generate(prompt, 48, block_size=16, draft_max=None)
+    assert any(0 < s.accepted < len(s.drafted) for s in spec.steps)
 
 
 @pytest.mark.parametrize("draft_max", DRAFT_MAX)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_llama import families
 from dflash_llama.parity import registry
 
 
@@ -14,8 +15,13 @@ def test_the_shipped_registry_loads():
     pairs, defaults = registry.load()
     names = [p.name for p in pairs]
     assert names[:5] == ["tiny-f32", "tiny-f16-gqa", "tiny-q8_0", "tiny-sliding", "tiny-last-layer-tap"]
-    assert {p.name: p.expect for p in pairs if p.expect == "fail"} == {"tiny-sliding": "fail",
-                                                                       "tiny-last-layer-tap": "fail"}
+    # one f32 fixture pair per family beyond qwen3, which the first five use
+    assert {p.name: p.family for p in pairs if p.kind == "fixture" and p.family != "qwen3"} == {
+        f"tiny-{f}-f32": f for f in families.NAMES[1:]}
+    assert {p.family for p in pairs[:5]} == {"qwen3"}
+    assert {p.name: p.finding[:3] for p in pairs if p.expect == "fail"} == {
+        "tiny-sliding": "U3:", "tiny-last-layer-tap": "U2:", "tiny-gemma3-f32": "U7:"}
+    assert {p.name for p in pairs if p.skip} == {"tiny-qwen35moe-f32"}
     assert [p.outtype for p in pairs if p.kind == "default"] == ["f32", "f16", "q8_0"]
     assert defaults == {"draft_dir": "smollm2-135m-dflash"}
     assert (registry.default_draft_dir(defaults) / "config.json").is_file()  # the trained default draft ships
@@ -45,3 +51,41 @@ def test_bad_registries(tmp_path):
     bad.write_text('[[pair]]\nname = "x"\nkind = "files"\n[[pair]]\nname = "x"\nkind = "files"\n')
     with pytest.raises(ValueError, match=r"pair names must be unique, repeated: \['x'\]"):
         registry.load(bad)
+
+
+def test_family_of_a_fixture_pair(tmp_path):
+    path = tmp_path / "r.toml"
+    path.write_text('[[pair]]\nname = "a"\nkind = "fixture"\nouttype = "f32"\n'
+                    '[[pair]]\nname = "b"\nkind = "fixture"\nfamily = "gemma3"\nouttype = "f32"\n')
+    assert [(p.name, p.family) for p in registry.load(path)[0]] == [("a", "qwen3"), ("b", "gemma3")]
+    path.write_text('[[pair]]\nname = "b"\nkind = "fixture"\nfamily = "mamba"\n')
+    with pytest.raises(ValueError, match=r"r.toml: pair b: unknown target family 'mamba': known families are "
+                                         r"qwen3, llama, qwen3moe, gpt-oss, gemma3, qwen35, qwen35moe$"):
+        registry.load(path)
+    path.write_text('[[pair]]\nname = "c"\nkind = "files"\nfamily = "llama"\n')
+    with pytest.raises(ValueError, match=r"r.toml: pair c: family applies to kind = fixture only$"):
+        registry.load(path)
+
+
+def test_the_cache_names_hold_the_family(tmp_path, monkeypatch):
+    """Two families never share a cached target or draft (nothing is built: the files exist)."""
+    from dflash_llama import fixtures
+
+    built = []
+    monkeypatch.setattr(fixtures, "tiny_target_hf", lambda out, cfg: built.append(("hf", cfg.family)))
+    monkeypatch.setattr(fixtures, "tiny_target_gguf", lambda hf, out, outtype, family: built.append(("gguf", family)))
+    for family in ("qwen3", "gemma3"):
+        (tmp_path / f"tiny-target-{family}-hf").mkdir()
+        (tmp_path / f"tiny-target-{family}-hf" / "config.json").write_text("{}")
+        (tmp_path / f"tiny-target-{family}-f32.gguf").write_bytes(b"")
+    assert registry.tiny_target(tmp_path) == (tmp_path / "tiny-target-qwen3-hf",
+                                              tmp_path / "tiny-target-qwen3-f32.gguf")
+    assert registry.tiny_target(tmp_path, "gemma3")[1] == tmp_path / "tiny-target-gemma3-f32.gguf"
+    assert built == []
+
+
+def test_a_skipped_pair_builds_nothing(tmp_path):
+    pair = registry.Pair(name="x", kind="fixture", outtype="f32", family="qwen35moe", skip="not today")
+    res = registry.resolve(pair, {}, cache=tmp_path)
+    assert res.skip == "not today" and res.target is None
+    assert list(tmp_path.iterdir()) == []

@@ -9,8 +9,12 @@ arguments the pinned llama.cpp converter needs, and which norm classes keep thei
 - llama: dense, no q/k norms;
 - qwen3moe: 4 experts, top 2, every layer sparse;
 - gpt-oss: 4 experts, top 2, sliding (window 8) and full layers alternating, attention sinks and
-  biases, YaRN RoPE as published;
-- gemma3: sliding (window 8) and full layers (pattern 2), q/k norms, the embedding scaled by
+  biases, YaRN RoPE as published except `truncate`: llama.cpp always rounds YaRN's correction
+  range (`ggml_rope_yarn_corr_dims`), gpt-oss's config says `truncate: false`, and the target's
+  hidden states would differ between llama.cpp and transformers (docs/families.md);
+- gemma3: sliding layers (window 8) by Gemma 3's rule, every sixth layer full (so all four of the
+  tiny target's are sliding: the pinned converter writes no pattern for gemma3 and llama.cpp
+  assumes that one), q/k norms, the embedding scaled by
   sqrt(hidden) (its rows drawn that much smaller), tied input/output embeddings, GELU MLP, pre-
   and post-norms around attention and MLP;
 - qwen35: Qwen3.5, three Gated DeltaNet (linear attention) layers and one gated full-attention
@@ -87,7 +91,7 @@ def _gpt_oss(cfg: TinyTargetConfig, tok):
                         num_experts_per_tok=2, sliding_window=TINY_WINDOW,
                         layer_types=["sliding_attention", "full_attention"] * (cfg.layers // 2),
                         rope_parameters={"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": 32.0,
-                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
                                          "original_max_position_embeddings": 4096},
                         tie_word_embeddings=False, torch_dtype="float32")
 
@@ -96,9 +100,10 @@ def _gemma3(cfg: TinyTargetConfig, tok):
     from transformers import Gemma3TextConfig
 
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    # layer_types by the published rule (every sixth layer full): the pinned converter writes no
+    # pattern for gemma3 and llama.cpp assumes that one, so any other would run differently there
     return Gemma3TextConfig(**_common(cfg, tok), intermediate_size=cfg.ffn, query_pre_attn_scalar=cfg.head_dim,
-                            sliding_window=TINY_WINDOW,
-                            layer_types=["sliding_attention", "full_attention"] * (cfg.layers // 2),
+                            sliding_window=TINY_WINDOW, sliding_window_pattern=6,
                             rope_parameters={"sliding_attention": dict(rope), "full_attention": dict(rope)},
                             tie_word_embeddings=True, torch_dtype="float32")
 

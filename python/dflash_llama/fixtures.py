@@ -208,9 +208,10 @@ def tiny_draft_hf(out_dir: str | os.PathLike, target_hf_dir: str | os.PathLike,
     return out
 
 
-def constant_draft_hf(out_dir: str | os.PathLike, target_gguf: str | os.PathLike, token: str,
+def constant_draft_hf(out_dir: str | os.PathLike, target_gguf: str | os.PathLike, token: str | int,
                       cfg: TinyDraftConfig | None = None) -> Path:
-    """A DFlash draft for a GGUF target that proposes the token spelled `token` at every position.
+    """A DFlash draft for a GGUF target that proposes the token spelled `token` (or of that id) at
+    every position.
 
     Its layers add nothing (o_proj and down_proj are zero), so each block position keeps the MASK
     embedding; the final norm's gain turns that into the target's output row of `token`, whose
@@ -220,35 +221,42 @@ def constant_draft_hf(out_dir: str | os.PathLike, target_gguf: str | os.PathLike
     import gguf
     import numpy as np
     import torch
-    from gguf import GGUFReader
     from safetensors.torch import load_file, save_file
 
+    from ._gguf import gguf_info
+
     cfg = cfg or TinyDraftConfig()
-    reader = GGUFReader(target_gguf)
-    arch = reader.get_field("general.architecture").contents()
-    tokens = reader.get_field("tokenizer.ggml.tokens").contents()
-    token_id = tokens.index(token)
-    by_name = {t.name: t for t in reader.tensors}
+    info = gguf_info(target_gguf)  # ggml's parser: the vocabulary in milliseconds, not gguf-py's seconds
+    tokens = info.metadata["tokenizer.ggml.tokens"]
+    token_id = token if isinstance(token, int) else tokens.index(token)
+    by_name = {t.name: t for t in info.tensors}
     head = by_name.get("output.weight", by_name["token_embd.weight"])
     embd = by_name["token_embd.weight"]
 
-    def rows(t, ids):  # dequantised rows of a [n_vocab, n_embd] matrix
-        return gguf.quants.dequantize(np.asarray(t.data)[ids], t.tensor_type).astype(np.float64)
+    def matrix(t):  # the raw bytes of a [n_vocab, n_embd] matrix, one row per token
+        n_rows = t.shape[1]
+        return np.memmap(target_gguf, np.uint8, "r", offset=info.data_offset + t.offset,
+                         shape=(n_rows, t.nbytes // n_rows))
+
+    def dequantize(t, data):
+        return gguf.quants.dequantize(np.ascontiguousarray(data), gguf.GGMLQuantizationType[t.type.upper()])
+
+    def rows(t, ids):  # dequantised rows
+        return dequantize(t, matrix(t)[ids]).astype(np.float64)
 
     mask_embedding = rows(embd, [cfg.mask_token_id])[0]
     normed = mask_embedding / np.sqrt(np.mean(mask_embedding ** 2) + 1e-6)
     safe = np.where(np.abs(normed) > 1e-3, normed, 1.0)
     gain = np.where(np.abs(normed) > 1e-3, rows(head, [token_id])[0] / safe, 0.0)
     gain = torch.tensor(gain, dtype=torch.float32).to(getattr(torch, cfg.dtype))  # as stored
-    logits = gguf.quants.dequantize(np.asarray(head.data), head.tensor_type) @ (normed * gain.double().numpy())
+    logits = dequantize(head, matrix(head)) @ (normed * gain.double().numpy())
     if int(np.argmax(logits)) != token_id:
-        raise ValueError(f"{token!r} does not win the argmax of {target_gguf}'s head: pick another token")
+        raise ValueError(f"{tokens[token_id]!r} does not win the argmax of {target_gguf}'s head: pick another token")
 
     shape_dir = Path(out_dir).with_name(Path(out_dir).name + "-target-shape")
     shape_dir.mkdir(parents=True, exist_ok=True)  # tiny_draft_hf reads the target's shape from here
     (shape_dir / "config.json").write_text(json.dumps({
-        "hidden_size": int(reader.get_field(f"{arch}.embedding_length").contents()),
-        "num_hidden_layers": int(reader.get_field(f"{arch}.block_count").contents()),
+        "hidden_size": int(info.get("embedding_length")), "num_hidden_layers": int(info.block_count),
         "vocab_size": len(tokens)}))
     out = tiny_draft_hf(out_dir, shape_dir, cfg)
     tensors = load_file(out / "model.safetensors")
