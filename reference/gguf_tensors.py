@@ -59,5 +59,18 @@ def target_weights_from_gguf(path: str | os.PathLike) -> TargetWeights:
         embed_tokens=embed, lm_head=head, n_layers=int(info.block_count), n_heads=n_head,
         n_kv_heads=int(info.get("attention.head_count_kv", n_head)),
         head_dim=int(info.get("attention.key_length", n_embd // n_head)),
-        ffn=int(info.get("feed_forward_length")), rope_theta=float(info.get("rope.freq_base", 10000.0)),
+        ffn=_ffn_length(info, path), rope_theta=float(info.get("rope.freq_base", 10000.0)),
         rms_eps=float(info.get("attention.layer_norm_rms_epsilon", 1e-6)))
+
+
+def _ffn_length(info, path) -> int:
+    """The target's FFN width (the default of a draft's): `feed_forward_length` (its largest entry
+    when given per layer); a MoE target without one (Qwen3.5 MoE): its shared expert's, else one
+    expert's."""
+    for key in ("feed_forward_length", "expert_shared_feed_forward_length", "expert_feed_forward_length"):
+        value = info.get(key)
+        if isinstance(value, (list, tuple)):
+            value = max(value, default=0)
+        if value:
+            return int(value)
+    raise ValueError(f"{path}: the target has no feed_forward_length (nor an expert's)")

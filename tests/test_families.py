@@ -92,6 +92,17 @@ def test_the_target_is_its_family(pair):
     assert pair.rt.block_size == 16 and pair.rt.target_layer_ids == [1, 2]
 
 
+def test_the_reference_reads_the_target_gguf(pair):
+    """What the trainer and parity read of a GGUF target; a MoE target's FFN width is its shared
+    expert's, else one expert's (Qwen3.5 MoE has no feed_forward_length: was a TypeError)."""
+    from dflash_llama.reference.gguf_tensors import target_weights_from_gguf
+
+    tw = target_weights_from_gguf(pair.target)
+    config = json.loads((pair.hf / "config.json").read_text())
+    ffn = config.get("intermediate_size") or config["shared_expert_intermediate_size"]
+    assert (tw.n_layers, tw.head_dim, tw.ffn, tuple(tw.embed_tokens.shape)) == (4, 16, ffn, (49152, 64))
+
+
 def test_greedy_dflash_equals_plain_decoding(pair):
     """30 prompts x block sizes 2, 4, 8, 16, the whole block verified on even prompts and the adaptive
     loop on odd ones (15 prompts per block size and draft length): each generation equals plain
