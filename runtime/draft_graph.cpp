@@ -85,9 +85,47 @@ draft_runner::draft_runner(const draft_model & draft, const llama_model * target
     ggml_backend_buffer_clear(kv_buf_, 0);
 
     graph_meta_.resize(ggml_tensor_overhead() * kMaxGraphNodes + ggml_graph_overhead_custom(kMaxGraphNodes, false));
+    copy_to_host();
     if (compact_head) {
         make_compact_head();
     }
+}
+
+// The draft graph runs on the CPU backend. A target offloaded with -ngl keeps its output head (and
+// on some backends its embeddings) in device memory, which the CPU cannot read: such tensors are
+// copied to a host buffer once, at load.
+void draft_runner::copy_to_host() {
+    auto on_device = [](const ggml_tensor * t) { return t->buffer != nullptr && !ggml_backend_buffer_is_host(t->buffer); };
+    std::vector<ggml_tensor **> moved;
+    for (ggml_tensor ** t : { &tok_embd_, &output_ }) {
+        if (on_device(*t) && (moved.empty() || *moved.front() != *t)) {
+            moved.push_back(t);
+        }
+    }
+    if (moved.empty()) {
+        return;
+    }
+    host_ctx_ = ggml_init({ ggml_tensor_overhead() * moved.size(), nullptr, true });
+    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> copies;
+    for (ggml_tensor ** t : moved) {
+        copies.emplace_back(*t, ggml_dup_tensor(host_ctx_, *t));
+        ggml_set_name(copies.back().second, ggml_get_name(*t));
+    }
+    host_buf_ = ggml_backend_alloc_ctx_tensors(host_ctx_, backend_cpu_);
+    if (host_buf_ == nullptr) {
+        throw std::runtime_error("cannot allocate host copies of the target's embeddings / output head for the draft");
+    }
+    for (auto & [src, dst] : copies) {
+        ggml_backend_tensor_get(src, dst->data, 0, ggml_nbytes(src));
+    }
+    const bool tied = output_ == tok_embd_;
+    for (size_t i = 0; i < moved.size(); ++i) {
+        *moved[i] = copies[i].second;
+    }
+    if (tied) {
+        output_ = tok_embd_;
+    }
+    head_ = output_;
 }
 
 // head_ = output_ requantized to Q4_0, row chunk by row chunk, when that reads less and is possible.
@@ -132,6 +170,8 @@ draft_runner::~draft_runner() {
     if (kv_ctx_)      ggml_free(kv_ctx_);
     if (head_buf_)    ggml_backend_buffer_free(head_buf_);
     if (head_ctx_)    ggml_free(head_ctx_);
+    if (host_buf_)    ggml_backend_buffer_free(host_buf_);
+    if (host_ctx_)    ggml_free(host_ctx_);
     if (backend_cpu_) ggml_backend_free(backend_cpu_);
 }
 

@@ -72,6 +72,7 @@ private:
     ggml_tensor * rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * gain) const;
     ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const;
     ggml_tensor * attention_mask(graph_ctx & g, int32_t n_kv, int32_t n_block, bool causal, int32_t window);
+    void copy_to_host();
     void make_compact_head();
     void compute(graph_ctx & g, draft_trace * trace);
 
@@ -87,6 +88,8 @@ private:
     ggml_backend_sched_t  sched_       = nullptr;
     ggml_context *        kv_ctx_      = nullptr;
     ggml_backend_buffer_t kv_buf_      = nullptr;
+    ggml_context *        host_ctx_    = nullptr;  // host copies of device-resident target tensors
+    ggml_backend_buffer_t host_buf_    = nullptr;
     ggml_context *        head_ctx_    = nullptr;  // the compact head, if any
     ggml_backend_buffer_t head_buf_    = nullptr;
     std::vector<ggml_tensor *> cache_k_;  // per layer [head_dim, n_head_kv, n_ctx]
