@@ -17,7 +17,7 @@ from dflash_llama.converter.pair import cache_dir, resolve_draft
 
 # subcommand -> (takes a target with -m, takes a draft with -md)
 TAKES = {"convert": (True, False), "generate": (True, True), "parity": (True, True), "bench": (True, True),
-         "train": (True, True), "run": (True, True)}
+         "train": (True, True), "run": (True, True), "fetch": (False, False)}
 # flag -> its one default; parity's -n (tokens per prompt of a short end-to-end check) means another thing
 SHARED = {"-t": cli_args.THREADS, "-c": cli_args.CTX_SIZE, "-n": cli_args.N_PREDICT, "-s": cli_args.SEED,
           "--temp": cli_args.TEMP}
@@ -44,6 +44,9 @@ def test_model_flags_as_llama_cpp_spells_them(name):
     takes_target, takes_draft = TAKES[name]
     m = option(p, "-m")
     assert (m is not None) == takes_target
+    if m is None:  # fetch: names a target, reads no model
+        assert option(p, "-md") is None
+        return
     assert m.option_strings == ["-m", "--model", "--target"] and m.dest == "target"
     md = option(p, "-md")
     assert (md is not None) == takes_draft
