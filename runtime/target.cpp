@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <stdexcept>
@@ -70,6 +71,12 @@ target_runner::target_runner(const target_params & params) {
 
     llama_model_params mparams = llama_model_default_params();
     mparams.n_gpu_layers = params.n_gpu_layers;
+    // Exactness: a verify must compute each position's logits as one-token decoding does. Two CPU
+    // paths compute batches differently from one row: repacked weights (Q4_0, Q4_K, IQ4_NL, ...:
+    // another kernel from 4 rows on) and the tiled K-quant matmul (from 8 rows). Both off; the
+    // tiled switch is an environment variable ggml reads once per process.
+    mparams.use_extra_bufts = false;
+    setenv("GGML_CPU_TILED_MM", "0", 1);
     params_ = params;
     model_ = llama_model_load_from_file(params.path.c_str(), mparams);
     if (model_ == nullptr) {

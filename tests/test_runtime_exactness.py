@@ -126,11 +126,28 @@ def test_smollm2_target_random_draft(smollm2_gguf, smollm2_random_draft_gguf, bl
             assert_same(spec, ar, f"SmolLM2 HumanEval prompt {block * 3 + j}, block {block}, draft_max {draft_max}")
 
 
-@pytest.mark.parametrize("which", ["tiny_f32", "smollm2_q4_1"])
-def test_verify_logits_equal_decode_logits_bit_for_bit(which, tiny_target_gguf, smollm2_gguf):
+@pytest.fixture(scope="module")
+def tiny_q4_k_m_gguf(tmp_path_factory) -> Path:
+    """A tiny qwen3 target wide enough for K-quants (hidden 256), quantized to Q4_K_M by the pinned
+    llama-quantize: its matrices take ggml's repacked Q4_K kernels and its tiled K-quant matmul."""
+    from dflash_llama import peers
+
+    root = tmp_path_factory.mktemp("tiny_q4_k_m")
+    hf = fixtures.tiny_target_hf(root / "hf", fixtures.TinyTargetConfig(
+        hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=512, init_std=0.05))
+    f32 = fixtures.tiny_target_gguf(hf, root / "target-f32.gguf")
+    peers.quantize(f32, root / "target-q4_k_m.gguf", "Q4_K_M")
+    return root / "target-q4_k_m.gguf"
+
+
+@pytest.mark.parametrize("which", ["tiny_f32", "smollm2_q4_1", "tiny_q4_k_m"])
+def test_verify_logits_equal_decode_logits_bit_for_bit(which, tiny_target_gguf, smollm2_gguf, request):
     """Why exactness holds by construction: a batched verify computes, for every position, the very
-    logits one-token decoding computes (the build keeps llamafile's sgemm off)."""
-    target = tiny_target_gguf if which == "tiny_f32" else smollm2_gguf
+    logits one-token decoding computes. The build keeps llamafile's sgemm off; the target keeps
+    ggml's repacked weights off (use_extra_bufts) and its tiled K-quant matmul off
+    (GGML_CPU_TILED_MM=0): each computes batches of 4 or 8+ rows differently from one row."""
+    target = {"tiny_f32": tiny_target_gguf, "smollm2_q4_1": smollm2_gguf}.get(which) or request.getfixturevalue(
+        "tiny_q4_k_m_gguf")
     rt = dflash_llama.Runtime(target, n_threads=2, n_ctx=1024)
     tokens = rt.tokenize("".join(humaneval_prompts(4)))[:340]
     assert len(tokens) == 340
