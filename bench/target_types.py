@@ -89,7 +89,7 @@ def typed_target(src: str | os.PathLike, qtype: str, threads: int | None = None)
     """The target of weight type `qtype` made from `src`: `src` itself when it is of that type, else
     the pinned llama-quantize's output, cached in `cache_dir()/targets`. Returns (path, requantized)."""
     from dflash_llama import peers
-    from dflash_llama.converter.pair import cache_dir
+    from dflash_llama.paths import cache_dir
 
     src = Path(src)
     if file_type(src) == qtype:

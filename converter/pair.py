@@ -14,16 +14,11 @@ import os
 from pathlib import Path
 
 import dflash_llama
+from dflash_llama.paths import cache_dir
 
 from .conversion import convert
 
 DEFAULT_DRAFT = Path(dflash_llama.__file__).resolve().parent / "data" / "smollm2-135m-dflash"
-CACHE_ENV = "DFLASH_LLAMA_CACHE"
-
-
-def cache_dir() -> Path:
-    """The one cache folder of dflash-llama (converted drafts; parity's built fixtures below it)."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dflash-llama")
 
 
 def resolve_draft(draft: str | os.PathLike, target: str | os.PathLike, outtype: str = "f16") -> Path:

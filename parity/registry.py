@@ -80,7 +80,7 @@ def load(path: str | os.PathLike = REGISTRY_PATH) -> tuple[list[Pair], dict]:
 
 
 def cache_dir() -> Path:
-    from dflash_llama.converter.pair import cache_dir as package_cache
+    from dflash_llama.paths import cache_dir as package_cache
 
     out = package_cache() / "parity"
     out.mkdir(parents=True, exist_ok=True)

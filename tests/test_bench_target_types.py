@@ -11,7 +11,7 @@ import pytest
 
 from dflash_llama import Runtime, cli, peers, prompts
 from dflash_llama.bench import target_types
-from dflash_llama.converter.pair import cache_dir
+from dflash_llama.paths import cache_dir
 
 pytestmark = pytest.mark.peer
 

@@ -13,7 +13,8 @@ import pytest
 
 from dflash_llama import cli, cli_args
 from dflash_llama.converter import convert
-from dflash_llama.converter.pair import cache_dir, resolve_draft
+from dflash_llama.converter.pair import resolve_draft
+from dflash_llama.paths import cache_dir
 
 # subcommand -> (takes a target with -m, takes a draft with -md)
 TAKES = {"convert": (True, False), "generate": (True, True), "parity": (True, True), "bench": (True, True),

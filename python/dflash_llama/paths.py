@@ -1,4 +1,5 @@
-"""Where the built pieces live: native tools installed with the package, the pinned llama.cpp.
+"""Where the built pieces live: native tools installed with the package, the pinned llama.cpp,
+the cache folder.
 
 Tools are found next to the compiled module (installed by CMake into `dflash_llama/bin`), never
 by guessing from PATH, so the binaries always match the pinned llama.cpp of this build.
@@ -6,10 +7,20 @@ by guessing from PATH, so the binaries always match the pinned llama.cpp of this
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 PEER_TOOLS = ("llama-speculative-simple", "llama-completion", "llama-bench", "llama-server",
               "llama-quantize")
+
+
+CACHE_ENV = "DFLASH_LLAMA_CACHE"
+
+
+def cache_dir() -> Path:
+    """The one cache folder of dflash-llama ($DFLASH_LLAMA_CACHE, else ~/.cache/dflash-llama):
+    converted drafts, parity's built fixtures, fetched targets."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dflash-llama")
 
 
 def native_dir() -> Path:

@@ -19,7 +19,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .converter.pair import cache_dir
+from .paths import cache_dir
 
 
 @dataclass(frozen=True)
