@@ -164,12 +164,10 @@ void target_runner::reserve_rollback(int32_t n_tokens) {
     // a recurrent state (Gated DeltaNet, Mamba, ...) holds no per-token history. llama.cpp keeps
     // n_rs_seq snapshots of it, one per token of the last batch, for the architectures that support
     // it; for the others each decode saves the state first and a rollback replays the kept tokens
+    // (llama.cpp clamps n_rs_seq to 0 for the others: that context serves checkpoints as it is)
     make_context(n_tokens);
+    n_batch_    = (int32_t) llama_n_batch(ctx_);
     checkpoint_ = (int32_t) llama_n_rs_seq(ctx_) < n_tokens;
-    if (checkpoint_) {
-        make_context(0);
-    }
-    n_batch_ = (int32_t) llama_n_batch(ctx_);
     if (checkpoint_) {
         const size_t size = llama_state_seq_get_size_ext(ctx_, 0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
         if (size == 0) {
