@@ -1,0 +1,83 @@
+"""What a draft step costs by the draft's weight type, in units of one plain decode.
+
+    python -m dflash_llama.bench.draft_types [-m TARGET] [-md DRAFT_DIR] [--types f16,q8_0,q4_0]
+                                              [--limit 3] [-n 96] [-t 0]
+
+Converts the draft (a Hugging Face checkpoint folder; default: the shipped SmolLM2 draft) once per
+type with our converter (cached), then on each prompt decodes plainly and with DFlash at N = 1 and
+N = B - 1 drafted tokens, checks both DFlash outputs against the plain one token for token, and
+prints per type and N the median draft time per step (block forward and feature injection), the
+median verify time per step and the plain decode time they compare with. Ratios only: every
+number of a row comes from the same prompts in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from dflash_llama import fixtures, prompts
+from dflash_llama.converter.conversion import OUTTYPES
+from dflash_llama.converter.pair import DEFAULT_DRAFT, resolve_draft
+from dflash_llama.runtime import Runtime
+
+
+def measure(rt: Runtime, texts: list[str], n_predict: int, n_drafts: tuple[int, ...]) -> dict[int, dict]:
+    """Per N: median draft ms and verify ms per step, median plain ms per token, mean tau."""
+    rows: dict[int, list[tuple[float, float, float, float]]] = {n: [] for n in n_drafts}
+    for text in texts:
+        plain = rt.autoregressive(text, n_predict)
+        plain_ms = plain.stats.t_total_ms / max(1, plain.stats.n_generated - 1)
+        for n in n_drafts:
+            g = rt.generate(text, n_predict, draft_max=n)
+            if g.tokens != plain.tokens:
+                raise RuntimeError(f"DFlash at N={n} differs from plain decoding on {text[:40]!r}")
+            steps = max(1, len(g.steps))
+            rows[n].append((g.stats.t_draft_ms / steps, g.stats.t_verify_ms / steps, plain_ms, g.tau))
+    return {n: {"draft_ms": statistics.median(r[0] for r in rs), "verify_ms": statistics.median(r[1] for r in rs),
+                "plain_ms": statistics.median(r[2] for r in rs), "tau": statistics.mean(r[3] for r in rs)}
+            for n, rs in rows.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash_llama.bench.draft_types", description=__doc__.split("\n")[0])
+    p.add_argument("-m", "--model", dest="target", help="target GGUF (default: the shipped SmolLM2)")
+    p.add_argument("-md", "--model-draft", dest="draft", help="draft folder (default: the shipped SmolLM2 draft)")
+    p.add_argument("--types", default="f16,q8_0,q4_0", help="draft weight types (default f16,q8_0,q4_0)")
+    p.add_argument("--limit", type=int, default=3, help="HumanEval prompts, spread over the set (default 3)")
+    p.add_argument("-n", "--n-predict", type=int, default=96, help="tokens per generation (default 96)")
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default 0: all)")
+    args = p.parse_args(argv)
+    types = [t.strip() for t in args.types.split(",") if t.strip()]
+    unknown = [t for t in types if t not in OUTTYPES]
+    if unknown or not types:
+        p.error(f"--types {args.types!r}: choose from {', '.join(OUTTYPES)}")
+    if args.limit < 1 or args.n_predict < 2:
+        p.error("--limit must be at least 1 and -n at least 2")
+    try:
+        return run(args, types)
+    except (OSError, ValueError) as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 3 if "differs from plain decoding" in str(e) else 1
+
+
+def run(args: argparse.Namespace, types: list[str]) -> int:
+    target = args.target or fixtures.smollm2_gguf()
+    texts = [q.text for q in prompts.spread(prompts.humaneval(), args.limit)]
+    print("| draft type | N | draft ms | draft / plain decode | verify ms | plain decode ms | tau | exact |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for outtype in types:
+        rt = Runtime(target, resolve_draft(args.draft or DEFAULT_DRAFT, target, outtype), n_threads=args.threads)
+        for n, m in measure(rt, texts, args.n_predict, (1, rt.block_size - 1)).items():
+            share = m["draft_ms"] / m["plain_ms"]
+            print(f"| {outtype} | {n} | {m['draft_ms']:.1f} | {share:.2f} | {m['verify_ms']:.1f} "
+                  f"| {m['plain_ms']:.1f} | {m['tau']:.2f} | {len(texts)}/{len(texts)} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
