@@ -16,11 +16,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from pathlib import Path
 
 from dflash_llama import fixtures, prompts
 from dflash_llama.converter.conversion import OUTTYPES
 from dflash_llama.converter.pair import DEFAULT_DRAFT, resolve_draft
+from dflash_llama.results import first_mismatch
 from dflash_llama.runtime import Runtime
+
+
+class Inexact(RuntimeError):
+    """A DFlash output that is not the plain greedy one (exit 3, as the CLIs)."""
 
 
 def measure(rt: Runtime, texts: list[str], n_predict: int, n_drafts: tuple[int, ...]) -> dict[int, dict]:
@@ -28,11 +34,12 @@ def measure(rt: Runtime, texts: list[str], n_predict: int, n_drafts: tuple[int, 
     rows: dict[int, list[tuple[float, float, float, float]]] = {n: [] for n in n_drafts}
     for text in texts:
         plain = rt.autoregressive(text, n_predict)
-        plain_ms = plain.stats.t_total_ms / max(1, plain.stats.n_generated - 1)
+        plain_ms = 1000.0 / plain.stats.tokens_per_second  # decode only, prefill excluded, as everywhere
         for n in n_drafts:
             g = rt.generate(text, n_predict, draft_max=n)
             if g.tokens != plain.tokens:
-                raise RuntimeError(f"DFlash at N={n} differs from plain decoding on {text[:40]!r}")
+                raise Inexact(f"DFlash at N={n} differs from plain decoding at token "
+                              f"{first_mismatch(plain.tokens, g.tokens)} on {text[:40]!r}")
             steps = max(1, len(g.steps))
             rows[n].append((g.stats.t_draft_ms / steps, g.stats.t_verify_ms / steps, plain_ms, g.tau))
     return {n: {"draft_ms": statistics.median(r[0] for r in rs), "verify_ms": statistics.median(r[1] for r in rs),
@@ -55,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--types {args.types!r}: choose from {', '.join(OUTTYPES)}")
     if args.limit < 1 or args.n_predict < 2:
         p.error("--limit must be at least 1 and -n at least 2")
+    if args.draft and not Path(args.draft).is_dir():
+        p.error(f"-md {args.draft}: expected a draft checkpoint folder (each type is converted from it)")
     try:
         return run(args, types)
     except (OSError, ValueError) as e:
@@ -62,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RuntimeError as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
-        return 3 if "differs from plain decoding" in str(e) else 1
+        return 3 if isinstance(e, Inexact) else 1
 
 
 def run(args: argparse.Namespace, types: list[str]) -> int:

@@ -12,6 +12,7 @@ from dflash_llama.runtime import Runtime
     (["--types", ","], "--types ',': choose from"),
     (["--limit", "0"], "--limit must be at least 1 and -n at least 2"),
     (["-n", "1"], "--limit must be at least 1 and -n at least 2"),
+    (["-md", "draft.gguf"], "-md draft.gguf: expected a draft checkpoint folder"),
 ])
 def test_bad_arguments_are_one_line_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
