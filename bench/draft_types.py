@@ -1,14 +1,14 @@
 """What a draft step costs by the draft's weight type, in units of one plain decode.
 
     python -m dflash_llama.bench.draft_types [-m TARGET] [-md DRAFT_DIR] [--types f16,q8_0,q4_0]
-                                              [--limit 3] [-n 96] [-t 0]
+                                              [--draft-vocabs 0,8192] [--limit 3] [-n 96] [-t 0]
 
 Converts the draft (a Hugging Face checkpoint folder; default: the shipped SmolLM2 draft) once per
-type with our converter (cached), then on each prompt decodes plainly and with DFlash at N = 1 and
-N = B - 1 drafted tokens, checks both DFlash outputs against the plain one token for token, and
-prints per type and N the median draft time per step (block forward and feature injection), the
-median verify time per step and the plain decode time they compare with. Ratios only: every
-number of a row comes from the same prompts in the same run.
+type and reduced vocabulary with our converter (cached), then on each prompt decodes plainly and
+with DFlash at N = 1 and N = B - 1 drafted tokens, checks both DFlash outputs against the plain one
+token for token, and prints per type, vocabulary and N the median draft time per step (block
+forward and feature injection), the median verify time per step and the plain decode time they
+compare with. Ratios only: every number of a row comes from the same prompts in the same run.
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-m", "--model", dest="target", help="target GGUF (default: the shipped SmolLM2)")
     p.add_argument("-md", "--model-draft", dest="draft", help="draft folder (default: the shipped SmolLM2 draft)")
     p.add_argument("--types", default="f16,q8_0,q4_0", help="draft weight types (default f16,q8_0,q4_0)")
+    p.add_argument("--draft-vocabs", default="0", metavar="K,...",
+                   help="reduced draft vocabularies to convert each type with (convert --draft-vocab; "
+                        "0: the whole vocabulary; default 0)")
     p.add_argument("--limit", type=int, default=3, help="HumanEval prompts, spread over the set (default 3)")
     p.add_argument("-n", "--n-predict", type=int, default=96, help="tokens per generation (default 96)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default 0: all)")
@@ -60,12 +63,18 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [t for t in types if t not in OUTTYPES]
     if unknown or not types:
         p.error(f"--types {args.types!r}: choose from {', '.join(OUTTYPES)}")
+    try:
+        vocabs = [int(v) for v in args.draft_vocabs.split(",")]
+    except ValueError:
+        vocabs = [-1]
+    if any(v < 0 for v in vocabs):
+        p.error(f"--draft-vocabs {args.draft_vocabs!r}: expected sizes >= 0, comma-separated")
     if args.limit < 1 or args.n_predict < 2:
         p.error("--limit must be at least 1 and -n at least 2")
     if args.draft and not Path(args.draft).is_dir():
         p.error(f"-md {args.draft}: expected a draft checkpoint folder (each type is converted from it)")
     try:
-        return run(args, types)
+        return run(args, types, vocabs)
     except (OSError, ValueError) as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
@@ -74,17 +83,21 @@ def main(argv: list[str] | None = None) -> int:
         return 3 if isinstance(e, Inexact) else 1
 
 
-def run(args: argparse.Namespace, types: list[str]) -> int:
+def run(args: argparse.Namespace, types: list[str], vocabs: list[int]) -> int:
     target = args.target or fixtures.smollm2_gguf()
     texts = [q.text for q in prompts.spread(prompts.humaneval(), args.limit)]
-    print("| draft type | N | draft ms | draft / plain decode | verify ms | plain decode ms | tau | exact |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print("| draft type | draft vocabulary | N | draft ms | draft / plain decode | verify ms | plain decode ms "
+          "| tau | exact |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for outtype in types:
-        rt = Runtime(target, resolve_draft(args.draft or DEFAULT_DRAFT, target, outtype), n_threads=args.threads)
-        for n, m in measure(rt, texts, args.n_predict, (1, rt.block_size - 1)).items():
-            share = m["draft_ms"] / m["plain_ms"]
-            print(f"| {outtype} | {n} | {m['draft_ms']:.1f} | {share:.2f} | {m['verify_ms']:.1f} "
-                  f"| {m['plain_ms']:.1f} | {m['tau']:.2f} | {len(texts)}/{len(texts)} |", flush=True)
+        for vocab in vocabs:
+            draft = resolve_draft(args.draft or DEFAULT_DRAFT, target, outtype, draft_vocab=vocab)
+            rt = Runtime(target, draft, n_threads=args.threads)
+            for n, m in measure(rt, texts, args.n_predict, (1, rt.block_size - 1)).items():
+                share = m["draft_ms"] / m["plain_ms"]
+                print(f"| {outtype} | {vocab or 'all'} | {n} | {m['draft_ms']:.1f} | {share:.2f} | "
+                      f"{m['verify_ms']:.1f} | {m['plain_ms']:.1f} | {m['tau']:.2f} | {len(texts)}/{len(texts)} |",
+                      flush=True)
     return 0
 
 

@@ -26,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"{', '.join(NATIVE_OUTTYPES)} (written directly), other llama-quantize types "
                         f"({', '.join(t for t in OUTTYPES if t not in NATIVE_OUTTYPES and t != 'auto')}) "
                         "via an f32 conversion; auto (default): the draft's own 16-bit type")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="K",
+                   help="a reduced draft vocabulary: the head keeps K target tokens (the end-of-generation "
+                        "tokens, then the tokenizer's most likely), a d2t as the pinned llama.cpp reads it; "
+                        "0 (default): the target's whole head")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -36,7 +40,7 @@ def main(args: argparse.Namespace) -> int:
     log.addHandler(warnings)
     log.propagate = False
     try:
-        out = convert(args.draft, args.target, args.outfile, args.outtype)  # ConversionError: exit 2
+        out = convert(args.draft, args.target, args.outfile, args.outtype, args.draft_vocab)  # ConversionError: exit 2
     finally:
         log.removeHandler(warnings)
         log.propagate = True

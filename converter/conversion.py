@@ -25,6 +25,7 @@ from dflash_llama.schema import DraftHParams
 
 from .checkpoint import ConversionError, SourceTensor, read_config, read_tensors
 from .target import TargetInfo, TokenizerField, read_target
+from .vocabulary import choose_tokens, head_rows
 
 log = logging.getLogger("dflash_llama.converter")
 
@@ -50,11 +51,15 @@ class Plan:
     config: DraftHParams  # target_layer_ids resolved
     target: TargetInfo
     tensors: list[tuple[str, SourceTensor]]  # (GGUF name, source), in writing order
+    vocabulary: np.ndarray | None = None  # a reduced vocabulary: the target ids the head keeps
 
 
 def convert(draft_dir: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike,
-            outtype: str = "auto") -> Path:
+            outtype: str = "auto", draft_vocab: int = 0) -> Path:
     """Convert a DFlash draft checkpoint; `target` is the target's GGUF or HF directory.
+
+    draft_vocab K > 0: a reduced vocabulary of K target tokens (`d2t` and the target head's rows as
+    the draft's own `output.weight`; see `vocabulary`); 0: the draft uses the target's whole head.
 
     Raises ConversionError for bad input. The output appears only when complete (written to a
     temporary file in the same directory, then renamed); a failure leaves nothing behind.
@@ -67,6 +72,8 @@ def convert(draft_dir: str | os.PathLike, target: str | os.PathLike, out: str | 
     if out.is_dir():
         raise ConversionError(f"output {out} is a directory: name the GGUF file to write")
     plan = make_plan(Path(draft_dir), target)
+    if draft_vocab:
+        plan = dataclasses.replace(plan, vocabulary=choose_tokens(plan.target, draft_vocab))
     if outtype == "auto":
         outtype = _guess_outtype(plan)
     if outtype in NATIVE_OUTTYPES:
@@ -205,6 +212,13 @@ def write_gguf(plan: Plan, path: Path, outtype: str) -> None:
     for name, src in plan.tensors:
         data, stored_as = tensor_data(name, src, plan.config, qtype)
         writer.add_tensor(name, data, raw_dtype=stored_as)
+    if plan.vocabulary is not None:  # after the layers, as the pinned converter writes d2t
+        rows = head_rows(plan.target, plan.vocabulary)
+        try:
+            writer.add_tensor("output.weight", gguf.quants.quantize(rows, qtype), raw_dtype=qtype)
+        except gguf.QuantError:
+            writer.add_tensor("output.weight", gguf.quants.quantize(rows, Q.F16), raw_dtype=Q.F16)
+        writer.add_tensor(L.D2T, plan.vocabulary.astype(np.int64), raw_dtype=Q.I64)
 
     writer.write_header_to_file(path=path)
     writer.write_kv_data_to_file()

@@ -21,9 +21,11 @@ from .conversion import convert
 DEFAULT_DRAFT = Path(dflash_llama.__file__).resolve().parent / "data" / "smollm2-135m-dflash"
 
 
-def resolve_draft(draft: str | os.PathLike, target: str | os.PathLike, outtype: str = "f16") -> Path:
+def resolve_draft(draft: str | os.PathLike, target: str | os.PathLike, outtype: str = "f16",
+                  draft_vocab: int = 0) -> Path:
     """A GGUF for `draft`: itself if it is one, the one GGUF of a folder, else the cached `outtype`
-    conversion of a Hugging Face directory for `target`."""
+    conversion of a Hugging Face directory for `target` (with a reduced vocabulary of `draft_vocab`
+    tokens when > 0, see `vocabulary`)."""
     draft, target = Path(draft), Path(target)
     if draft.is_file():
         if draft.suffix != ".gguf":
@@ -41,10 +43,11 @@ def resolve_draft(draft: str | os.PathLike, target: str | os.PathLike, outtype: 
         if ggufs:
             raise ValueError(f"draft {draft} holds {len(ggufs)} GGUF files: name the one to use")
         raise ValueError(f"draft {draft}: neither a GGUF nor a Hugging Face checkpoint (no config.json)")
-    out = cache_dir() / f"{draft.name}-{_key(draft, target, outtype)}-{outtype}.gguf"
+    vocab = f"-v{draft_vocab}" if draft_vocab else ""
+    out = cache_dir() / f"{draft.name}-{_key(draft, target, outtype + vocab)}-{outtype}{vocab}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        convert(draft, target, out, outtype=outtype)  # written whole or not at all
+        convert(draft, target, out, outtype=outtype, draft_vocab=draft_vocab)  # written whole or not at all
     return out
 
 

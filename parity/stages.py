@@ -101,7 +101,7 @@ def stage_converter(cfg: ParityConfig) -> dict:
 
     from dflash_llama.reference.checkpoint import load_draft, read_draft_gguf
 
-    _, gguf_tensors = read_draft_gguf(Path(cfg.draft))
+    _, gguf_tensors, _ = read_draft_gguf(Path(cfg.draft))
     hf = {n: p.detach().float().numpy() for n, p in load_draft(cfg.draft_hf).named_parameters()}
     types = tensor_types(Path(cfg.draft))
     rows = []
@@ -457,7 +457,7 @@ def run_parity(cfg: ParityConfig, progress_bar: bool = True) -> dict:
 
     import dflash_llama
     from dflash_llama import Runtime
-    from dflash_llama.reference.checkpoint import load_draft, read_hf_config
+    from dflash_llama.reference.checkpoint import load_draft, read_draft_gguf, read_hf_config
     from dflash_llama.reference.gguf_tensors import target_weights_from_gguf
 
     from .native import NativeDraft
@@ -478,8 +478,9 @@ def run_parity(cfg: ParityConfig, progress_bar: bool = True) -> dict:
         target_types = tensor_types(Path(cfg.target))
         draft_types = tensor_types(Path(cfg.draft))
         target_cat = B.file_category(target_types)
-        head = head_type(target_types)
-        draft_cat = B.file_category(draft_types, skip=("token_embd.weight", "output.weight"))
+        # a reduced vocabulary (d2t) multiplies by the draft's own head rows, else by the target's head
+        head = draft_types["output.weight"] if L.D2T in draft_types else head_type(target_types)
+        draft_cat = B.file_category(draft_types, skip=("token_embd.weight", "output.weight", L.D2T))
         n_ctx = max(512, cfg.max_context + cfg.n_predict + 64)
         rt = Runtime(cfg.target, cfg.draft, n_threads=cfg.n_threads, n_ctx=n_ctx, kv_f32=True, compact_draft_head=False)
         hf_ids = read_hf_config(Path(cfg.draft_hf)).target_layer_ids if cfg.draft_hf else None
@@ -505,6 +506,10 @@ def run_parity(cfg: ParityConfig, progress_bar: bool = True) -> dict:
 
         tw = target_weights_from_gguf(cfg.target)
         ref_draft = load_draft(cfg.draft_hf or cfg.draft, tw.embed_tokens, tw.lm_head)
+        if cfg.draft_hf:  # a reduced vocabulary is made at conversion: the HF weights, the GGUF's d2t
+            _, _, vocabulary = read_draft_gguf(Path(cfg.draft))
+            if vocabulary is not None:
+                ref_draft.set_vocabulary(*vocabulary)
         if ref_draft.config.n_taps != len(rt.target_layer_ids):
             raise ValueError(f"the HF draft has {ref_draft.config.n_taps} target layers, the GGUF "
                              f"{len(rt.target_layer_ids)}: not the same draft")

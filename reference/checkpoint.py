@@ -37,14 +37,17 @@ def load_draft(path: str | os.PathLike, embed_tokens: torch.Tensor | None = None
         if not cfg.rope_neox:  # interleaved-pair RoPE -> NeoX halves, per head, like llama.cpp's converter
             tensors = {n: interleaved_to_halves(t, cfg.head_dim) if S.is_rope_permuted(S.gguf_tensor_name(n)[0])
                        else t for n, t in tensors.items()}
+        vocabulary = None
     else:
-        cfg, tensors = read_draft_gguf(path)
+        cfg, tensors, vocabulary = read_draft_gguf(path)
 
     draft = DFlashDraft(cfg)
     with torch.no_grad():
         for name, p in draft.named_parameters():
             p.copy_(tensors[name].to(torch.float32))
     draft = draft.to(dtype).eval().requires_grad_(False)  # inference; a trainer turns it back on
+    if vocabulary is not None:
+        draft.set_vocabulary(*vocabulary)
     if embed_tokens is not None and lm_head is not None:
         draft.attach_target(embed_tokens, lm_head)
     return draft
@@ -115,8 +118,9 @@ def _check_shapes(source, cfg: DraftConfig, tensors: dict) -> None:
 
 # ---------------------------------------------------------------- GGUF
 
-def read_draft_gguf(path: Path) -> tuple[DraftConfig, dict]:
-    """Config and published-name tensors (f32) of a DFlash GGUF, refusing what the runtime refuses."""
+def read_draft_gguf(path: Path) -> tuple[DraftConfig, dict, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Config, published-name tensors (f32) and reduced vocabulary (d2t, own head; else None) of a
+    DFlash GGUF, refusing what the runtime refuses."""
     from dflash_llama import gguf_info
 
     info = gguf_info(path)  # the native header parser: clear errors for foreign/truncated files
@@ -127,9 +131,12 @@ def read_draft_gguf(path: Path) -> tuple[DraftConfig, dict]:
     if cfg.n_vocab is None:
         raise ValueError(f"{path}: no tokenizer.ggml.tokens (the vocabulary size is unknown)")
     # every name is in the layout table (refuse() saw to it)
-    tensors = {S.hf_tensor_name(t.name)[0]: read_tensor(path, info.data_offset, t) for t in info.tensors}
+    tensors = {S.hf_tensor_name(t.name)[0]: read_tensor(info, t.name) for t in info.tensors if t.name != S.D2T}
+    vocabulary = None
+    if any(t.name == S.D2T for t in info.tensors):
+        vocabulary = read_tensor(info, S.D2T), tensors.pop("lm_head.weight")
     _check_shapes(path, cfg, tensors)
-    return cfg, tensors
+    return cfg, tensors, vocabulary
 
 
 def load_draft_for_target(path: str | os.PathLike, target,

@@ -8,28 +8,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 
-def read_tensor(path: Path, data_offset: int, t) -> torch.Tensor:
-    """One tensor, dequantised by gguf-py to f32, in torch order (ggml shape reversed)."""
-    import gguf
-    import numpy as np
-
-    try:
-        qtype = gguf.GGMLQuantizationType[t.type.upper()]
-    except KeyError as e:
-        raise ValueError(f"{path}: tensor {t.name} has type {t.type}, unknown to gguf-py") from e
-    rows = int(np.prod(t.shape[1:], dtype=np.int64))
-    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=data_offset + t.offset,
-                    shape=(t.nbytes,)).reshape(*reversed(t.shape[1:]), t.nbytes // max(rows, 1))
-    try:
-        data = gguf.quants.dequantize(raw, qtype)
-    except NotImplementedError as e:
-        raise ValueError(f"{path}: tensor {t.name}: gguf-py cannot dequantise {t.type}") from e
-    return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(tuple(reversed(t.shape)))
+def read_tensor(info, name: str) -> torch.Tensor:
+    """One tensor of a `dflash_llama.GGUFInfo`, dequantised to f32 (ids as they are), in torch order."""
+    return torch.from_numpy(info.read(name))
 
 
 @dataclass
@@ -50,10 +35,9 @@ def target_weights_from_gguf(path: str | os.PathLike) -> TargetWeights:
     from dflash_llama import gguf_info
 
     info = gguf_info(path)
-    embed = read_tensor(Path(path), info.data_offset, info.tensor("token_embd.weight"))
+    embed = read_tensor(info, "token_embd.weight")
     names = {t.name for t in info.tensors}
-    head = (read_tensor(Path(path), info.data_offset, info.tensor("output.weight"))
-            if "output.weight" in names else embed)
+    head = read_tensor(info, "output.weight") if "output.weight" in names else embed
     n_embd, n_head = int(info.get("embedding_length")), int(info.get("attention.head_count"))
     return TargetWeights(
         embed_tokens=embed, lm_head=head, n_layers=int(info.block_count), n_heads=n_head,

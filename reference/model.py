@@ -195,15 +195,30 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg, il) for il in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
         self.embed_tokens: torch.Tensor | None = None  # the target's, [V, H]
-        self.lm_head: torch.Tensor | None = None  # the target's, [V, H]
+        self.lm_head: torch.Tensor | None = None  # the target's, [V, H]; or the draft's own, [K, H]
+        self.d2t: torch.Tensor | None = None  # a reduced vocabulary: the target id of each head row, [K]
 
     # the config's, under the names the speculative loop reads
     block_size = property(lambda self: self.config.block_size)
     mask_token_id = property(lambda self: self.config.mask_token_id)
     target_layer_ids = property(lambda self: self.config.target_layer_ids)
 
+    def set_vocabulary(self, d2t: torch.Tensor, head: torch.Tensor) -> None:
+        """A reduced vocabulary: the draft's own head [K, hidden] over target tokens d2t [K]; its
+        logits are scattered into the target's vocabulary, -inf elsewhere (the pinned graph's d2t)."""
+        cfg = self.config
+        d2t = torch.as_tensor(d2t, dtype=torch.long)
+        if d2t.dim() != 1 or head.shape != (d2t.shape[0], cfg.n_embd):
+            raise ValueError(f"a reduced vocabulary needs d2t [K] and a head [K, {cfg.n_embd}], "
+                             f"got {tuple(d2t.shape)} and {tuple(head.shape)}")
+        if d2t.numel() and (int(d2t.min()) < 0 or int(d2t.max()) >= cfg.n_vocab
+                            or d2t.unique().numel() != d2t.numel()):
+            raise ValueError(f"d2t must hold distinct token ids below the vocabulary size {cfg.n_vocab}")
+        self.d2t, self.lm_head = d2t, head.to(self.fc.weight.dtype)
+
     def attach_target(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
-        """Use the target's token embeddings and output head ([vocab, hidden] each)."""
+        """Use the target's token embeddings and output head ([vocab, hidden] each); a draft with a
+        reduced vocabulary keeps its own head."""
         cfg = self.config
         for name, w in (("token embeddings", embed_tokens), ("output head", lm_head)):
             if w.dim() != 2 or w.shape[1] != cfg.n_embd:
@@ -213,7 +228,9 @@ class DFlashDraft(nn.Module):
                 raise ValueError(f"draft vocab size {cfg.n_vocab} does not match the target's "
                                  f"{name} with {w.shape[0]} rows")
         dtype = self.fc.weight.dtype
-        self.embed_tokens, self.lm_head = embed_tokens.to(dtype), lm_head.to(dtype)
+        self.embed_tokens = embed_tokens.to(dtype)
+        if self.d2t is None:
+            self.lm_head = lm_head.to(dtype)
 
     def new_cache(self) -> DraftCache:
         return DraftCache(self.config.n_layer)
@@ -271,8 +288,16 @@ class DFlashDraft(nn.Module):
         y = self.norm(x)
         logits = F.linear(y[1:], self.lm_head)
         if trace is not None:  # the whole block, computed apart so tracing never changes logits
-            trace["result_norm"], trace["result_output"] = y, F.linear(y, self.lm_head)
-        return self.finish_logits(logits)
+            trace["result_norm"], trace["result_output"] = y, self.to_vocabulary(F.linear(y, self.lm_head))
+        return self.to_vocabulary(self.finish_logits(logits))
+
+    def to_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        """Head rows -> the target's vocabulary: as they are, or scattered through d2t (-inf elsewhere)."""
+        if self.d2t is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.n_vocab), float("-inf"))
+        full[..., self.d2t] = logits
+        return full
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """output_multiplier, then tanh soft-cap: the published compute_logits."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch.nn import functional as F
@@ -58,7 +57,7 @@ class TargetTail:
             raise ValueError(f"{path}: distillation runs the target's last layers in PyTorch, which is "
                              f"implemented for {', '.join(ARCHS)} targets, not {info.architecture}")
         permuted = info.architecture == "llama"
-        get = lambda name: read_tensor(Path(path), info.data_offset, info.tensor(name))  # noqa: E731
+        get = lambda name: read_tensor(info, name)  # noqa: E731
         self.n_layers = int(info.block_count)
         if not 0 < first <= self.n_layers:
             raise ValueError(f"no target layers after layer {first - 1} of {self.n_layers}")

@@ -53,12 +53,13 @@ draft_runner::draft_runner(const draft_model & draft, const llama_model * target
                            bool compact_head)
     : draft_(draft), n_ctx_(n_ctx) {
     tok_embd_ = target->tok_embd;
-    output_   = target->output ? target->output : target->tok_embd;
+    output_   = draft.reduced_vocab() ? draft.output : target->output ? target->output : target->tok_embd;
     if (tok_embd_ == nullptr || output_ == nullptr) {
         throw std::invalid_argument("the target model has no token embedding or output head tensor to lend the draft");
     }
-    n_vocab_ = (int32_t) output_->ne[1];
-    head_    = output_;
+    n_vocab_     = (int32_t) tok_embd_->ne[1];
+    n_head_rows_ = (int32_t) output_->ne[1];
+    head_        = output_;
 
     backend_cpu_ = ggml_backend_cpu_init();
     if (backend_cpu_ == nullptr) {
@@ -398,8 +399,24 @@ void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_
     }
 
     compute(g, trace);
-    logits.resize((size_t) n_logits * n_vocab_);
+    logits.resize((size_t) n_logits * n_head_rows_);
     ggml_backend_tensor_get(out, logits.data(), 0, logits.size() * sizeof(float));
+    if (trace != nullptr && draft_.reduced_vocab()) {
+        scatter_to_vocab((*trace)["result_output"]);
+    }
+}
+
+// [n_head_rows, B] head output -> [n_vocab, B]: row r at token d2t[r], -inf elsewhere.
+void draft_runner::scatter_to_vocab(traced_tensor & t) const {
+    const size_t n_pos = t.data.size() / n_head_rows_;
+    std::vector<float> full((size_t) n_vocab_ * n_pos, -INFINITY);
+    for (size_t i = 0; i < n_pos; ++i) {
+        for (int32_t r = 0; r < n_head_rows_; ++r) {
+            full[i * n_vocab_ + draft_.d2t_ids[r]] = t.data[i * n_head_rows_ + r];
+        }
+    }
+    t.data = std::move(full);
+    t.shape[0] = n_vocab_;
 }
 
 void draft_runner::crop(int32_t n) {

@@ -9,9 +9,12 @@
 //
 // Traced `result_output` is the raw head output of all block positions, as in llama.cpp's graph;
 // the logits returned for positions 1.. have dflash.logit_scale and the soft-cap applied.
-// With a compact head, generation reads a Q4_0 copy of the target's head (made at load): on a CPU the
-// head is the largest read of a draft step, and a draft's proposals only need its argmax; exactness
-// does not depend on it (the target verifies). Traces always use the target's own head.
+// With a compact head, generation reads a Q4_0 copy of the head (made at load): on a CPU the head is
+// the largest read of a draft step, and a draft's proposals only need its argmax; exactness does not
+// depend on it (the target verifies). Traces always use the head itself.
+// A draft with a reduced vocabulary (d2t) multiplies by its own head of n_head_rows() rows: its logits
+// are over those rows, row r standing for target token token_of_row(r). Traced `result_output` is
+// scattered into the target's vocabulary (-inf elsewhere), as llama.cpp's graph does.
 // The block's own K/V are never written to the cache (the published loop crops them away), so
 // cropping the cache after a rejection is only `crop(n)`. Token embeddings and the LM head are the
 // target's tensors, used in place. Every intermediate is named as in llama.cpp's `dflash` graph
@@ -53,8 +56,8 @@ public:
     void inject(const float * features, int32_t n, int32_t pos0, draft_trace * trace = nullptr);
 
     // Runs the block (n_block tokens at positions start..start+n_block-1; start == n_cached()) and
-    // writes logits for block positions 1..n_logits into `logits` ([n_logits, n_vocab] row-major);
-    // n_logits -1: all, n_block - 1.
+    // writes logits for block positions 1..n_logits into `logits` ([n_logits, n_head_rows()]
+    // row-major); n_logits -1: all, n_block - 1.
     void forward_block(const int32_t * tokens, int32_t n_block, int32_t start, std::vector<float> & logits,
                        draft_trace * trace = nullptr, int32_t n_logits = -1);
 
@@ -62,7 +65,9 @@ public:
     void crop(int32_t n);
 
     int32_t n_cached() const { return n_cached_; }
-    int32_t n_vocab()  const { return n_vocab_; }
+    int32_t n_vocab()  const { return n_vocab_; }       // the target's vocabulary (block tokens)
+    int32_t n_head_rows() const { return n_head_rows_; } // logits per position: n_vocab, or the d2t size
+    int32_t token_of_row(int32_t r) const { return draft_.reduced_vocab() ? draft_.d2t_ids[r] : r; }
     bool    compact_head() const { return head_ != output_; }
     const draft_hparams & hparams() const { return draft_.hparams; }
 
@@ -73,14 +78,16 @@ private:
     ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const;
     ggml_tensor * attention_mask(graph_ctx & g, int32_t n_kv, int32_t n_block, bool causal, int32_t window);
     void copy_to_host();
+    void scatter_to_vocab(traced_tensor & t) const;
     void make_compact_head();
     void compute(graph_ctx & g, draft_trace * trace);
 
     const draft_model & draft_;
     ggml_tensor *       tok_embd_;  // the target's, in place
-    ggml_tensor *       output_;    // the target's, in place
+    ggml_tensor *       output_;    // the target's, in place; or the draft's own (reduced vocabulary)
     ggml_tensor *       head_;      // what generation multiplies by: output_, or its Q4_0 copy
     int32_t             n_vocab_;
+    int32_t             n_head_rows_;
     int32_t             n_ctx_;
     int32_t             n_cached_ = 0;
 

@@ -166,28 +166,32 @@ draft_hparams read_hparams(const gguf_context * ctx, const std::string & path) {
     return hp;
 }
 
-// Every tensor must be one this runtime reads: a d2t, DFlash2, DSpark or extra per-layer tensor
-// changes what llama.cpp computes, and ignoring it would be a silent wrong answer. So would a
-// draft's own token_embd / output: llama.cpp uses them, the graph here uses the target's.
+// Every tensor must be one this runtime reads: a DFlash2, DSpark or extra per-layer tensor changes
+// what llama.cpp computes, and ignoring it would be a silent wrong answer. So would a draft's own
+// token_embd, or its own output head over the whole vocabulary: llama.cpp uses them, the graph here
+// uses the target's. An own head with a d2t is a reduced vocabulary, which the graph reads.
 void refuse_unknown_tensors(const gguf_context * ctx, int32_t n_layer, const std::string & path) {
     static const char * const layer_names[] = { "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
         "attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight", "ffn_norm.weight", "ffn_gate.weight",
         "ffn_up.weight", "ffn_down.weight" };
+    const bool has_d2t = gguf_find_tensor(ctx, "d2t") >= 0;
     for (int64_t i = 0; i < gguf_get_n_tensors(ctx); ++i) {
         const std::string name = display_string(gguf_get_tensor_name(ctx, i), 200);
-        if (name == "token_embd.weight" || name == "output.weight") {
+        if (name == "token_embd.weight" || (name == "output.weight" && !has_d2t)) {
             fail(path, "tensor '" + name + "': the runtime uses the target's embeddings and head; "
-                       "a draft with its own is not supported by this runtime");
+                       "a draft with its own is not supported by this runtime" +
+                       std::string(name == "output.weight" ? " (an own head needs a d2t: a reduced vocabulary)" : ""));
         }
-        bool known = name == "fc.weight" || name == "enc.output_norm.weight" || name == "output_norm.weight";
+        bool known = name == "fc.weight" || name == "enc.output_norm.weight" || name == "output_norm.weight" ||
+                     name == "d2t" || name == "output.weight";
         for (int32_t il = 0; il < n_layer && !known; ++il) {
             for (const char * suffix : layer_names) {
                 known = known || name == "blk." + std::to_string(il) + "." + suffix;
             }
         }
         if (!known) {
-            fail(path, "tensor '" + name + "' is not supported by this runtime (reduced-vocabulary d2t, DFlash2, "
-                       "DSpark or extra per-layer tensors)");
+            fail(path, "tensor '" + name + "' is not supported by this runtime (DFlash2, DSpark or extra "
+                       "per-layer tensors)");
         }
     }
 }
@@ -240,7 +244,8 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
                            ", expected " + std::to_string(shape.size()) + " dimensions");
             }
         }
-        check_tensor_type(path, name, (int) t->type, shape.size() == 1 ? tensor_role::norm : tensor_role::matrix);
+        check_tensor_type(path, name, (int) t->type, name == "d2t" ? tensor_role::index
+                                                     : shape.size() == 1 ? tensor_role::norm : tensor_role::matrix);
         return t;
     };
     refuse_unknown_tensors(gguf.get(), hp.n_layer, path);
@@ -263,6 +268,19 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
         l.ffn_gate    = tensor(p + "ffn_gate.weight",    { n_embd, hp.n_ff });
         l.ffn_up      = tensor(p + "ffn_up.weight",      { n_embd, hp.n_ff });
         l.ffn_down    = tensor(p + "ffn_down.weight",    { hp.n_ff, n_embd });
+    }
+
+    if (ggml_get_tensor(meta, "d2t") != nullptr) {  // a reduced vocabulary: an own head over its rows
+        const int64_t n_draft_vocab = ggml_get_tensor(meta, "d2t")->ne[0];
+        if (n_draft_vocab < 1 || n_draft_vocab > INT32_MAX) {
+            fail(path, "tensor 'd2t' has " + std::to_string(n_draft_vocab) + " entries");
+        }
+        draft.d2t    = tensor("d2t", { n_draft_vocab });
+        if (ggml_get_tensor(meta, "output.weight") == nullptr) {
+            fail(path, "tensor 'd2t' (a reduced vocabulary) needs the draft's own 'output.weight' over its " +
+                       std::to_string(n_draft_vocab) + " rows");
+        }
+        draft.output = tensor("output.weight", { n_embd, n_draft_vocab });
     }
 
     check_tensors_in_file(gguf.get(), path);  // before any buffer is sized from the header
@@ -289,6 +307,16 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
             fail(path, std::string("cannot read tensor '") + display_string(name) + "'");
         }
         ggml_backend_tensor_set(t, staging.data(), 0, nbytes);
+        if (t == draft.d2t) {
+            const auto * ids = (const int64_t *) staging.data();
+            for (int64_t j = 0; j < t->ne[0]; ++j) {
+                if (ids[j] < 0 || ids[j] > INT32_MAX) {
+                    fail(path, "tensor 'd2t': entry " + std::to_string(j) + " is " + std::to_string(ids[j]) +
+                               ", not a token id");
+                }
+                draft.d2t_ids.push_back((int32_t) ids[j]);
+            }
+        }
     }
 }
 
@@ -316,6 +344,18 @@ void check_draft_fits_target(const draft_model & draft, const llama_model * targ
     if (hp.mask_token_id < 0 || hp.mask_token_id >= t_vocab) {
         fail(path, "mask token id " + std::to_string(hp.mask_token_id) + " is outside the target's vocabulary of " +
                    std::to_string(t_vocab) + " tokens");
+    }
+    std::vector<bool> seen(t_vocab, false);
+    for (size_t j = 0; j < draft.d2t_ids.size(); ++j) {
+        const int32_t id = draft.d2t_ids[j];
+        if (id >= t_vocab) {
+            fail(path, "d2t maps draft row " + std::to_string(j) + " to token " + std::to_string(id) +
+                       ", outside the target's vocabulary of " + std::to_string(t_vocab) + " tokens");
+        }
+        if (seen[id]) {
+            fail(path, "d2t maps two draft rows to token " + std::to_string(id));
+        }
+        seen[id] = true;
     }
 }
 

@@ -1,6 +1,8 @@
 // A DFlash 1 draft read from GGUF: hyper-parameters, weights in a backend buffer, checks against
-// the target. The draft owns no token embedding or LM head: it borrows the target's (see
-// draft_graph.h), so a draft for another target is refused here with both values named.
+// the target. The draft owns no token embedding: it borrows the target's (see draft_graph.h), so a
+// draft for another target is refused here with both values named. Its LM head is the target's too,
+// unless it has a reduced vocabulary: its own `output.weight` over n_draft_vocab rows, and `d2t`
+// mapping row i to target token d2t[i] (absolute ids, as the pinned `dflash` graph reads them).
 #pragma once
 
 #include "ggml.h"
@@ -60,6 +62,11 @@ struct draft_model {
     ggml_tensor * hidden_norm = nullptr;  // enc.output_norm
     ggml_tensor * output_norm = nullptr;
     std::vector<draft_layer> layers;
+    ggml_tensor * output      = nullptr;  // reduced vocabulary only: [n_embd, n_draft_vocab]
+    ggml_tensor * d2t         = nullptr;  // reduced vocabulary only: i64 [n_draft_vocab]
+    std::vector<int32_t> d2t_ids;         // its values, on the host
+
+    bool reduced_vocab() const { return d2t != nullptr; }
 
     ggml_context *        ctx = nullptr;  // tensor metadata
     ggml_backend_buffer_t buf = nullptr;  // tensor data
@@ -75,7 +82,7 @@ struct draft_model {
 void load_draft(draft_model & draft, const std::string & path, ggml_backend_buffer_type_t buft);
 
 // Refuses a draft that does not fit the target: hidden size, vocabulary, target layers within the
-// target's depth, mask token within the vocabulary. Throws std::invalid_argument.
+// target's depth, mask token and d2t ids within the vocabulary. Throws std::invalid_argument.
 void check_draft_fits_target(const draft_model & draft, const llama_model * target);
 
 } // namespace dflash

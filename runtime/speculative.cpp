@@ -169,6 +169,7 @@ struct spec_loop {
     pending_features        pending;
     std::vector<float>      draft_logits;
     std::vector<std::vector<float>> q, p;
+    std::vector<float>      q_rows;  // a reduced-vocabulary draft's distribution over its own rows
     int32_t last = -1, start = 0;  // the newest token and its position (not yet in the target's cache)
     bool    stopped = false;
 
@@ -181,13 +182,19 @@ struct spec_loop {
         std::vector<int32_t> block(n_block, draft.hparams().mask_token_id);
         block[0] = last;
         draft.forward_block(block.data(), n_block, start, draft_logits, nullptr, n);
+        const int32_t n_rows = draft.n_head_rows();  // n_vocab, or a reduced vocabulary's size
         q.resize(n);
         for (int32_t i = 0; i < n; ++i) {
-            const float * row = draft_logits.data() + (size_t) i * n_vocab;
+            const float * row = draft_logits.data() + (size_t) i * n_rows;
             if (sp.greedy()) {
-                verify.push_back(argmax(row, n_vocab));
-            } else {
+                verify.push_back(draft.token_of_row(argmax(row, n_rows)));
+            } else if (n_rows == n_vocab) {
                 probs_from_logits(row, n_vocab, sp, q[i]);
+                verify.push_back(rng.draw(q[i]));
+            } else {  // q over the target's vocabulary: 0 outside the draft's
+                probs_from_logits(row, n_rows, sp, q_rows);
+                q[i].assign(n_vocab, 0.0f);
+                for (int32_t r = 0; r < n_rows; ++r) q[i][draft.token_of_row(r)] = q_rows[r];
                 verify.push_back(rng.draw(q[i]));
             }
         }

@@ -13,6 +13,8 @@ from dflash_llama.runtime import Runtime
     (["--limit", "0"], "--limit must be at least 1 and -n at least 2"),
     (["-n", "1"], "--limit must be at least 1 and -n at least 2"),
     (["-md", "draft.gguf"], "-md draft.gguf: expected a draft checkpoint folder"),
+    (["--draft-vocabs", "8k"], "--draft-vocabs '8k': expected sizes >= 0, comma-separated"),
+    (["--draft-vocabs", "0,-1"], "--draft-vocabs '0,-1': expected sizes >= 0, comma-separated"),
 ])
 def test_bad_arguments_are_one_line_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

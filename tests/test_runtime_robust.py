@@ -17,9 +17,10 @@ import dflash_llama
 from dflash_llama import paths
 
 
-def rewrite(src: Path, dst: Path, kv: dict | None = None, tensors: dict | None = None) -> Path:
+def rewrite(src: Path, dst: Path, kv: dict | None = None, tensors: dict | None = None, drop=()) -> Path:
     """`dst` = `src` with keys replaced by (value, type[, sub_type]) and tensors by NumPy arrays
-    (written with the array's dtype), in the file's order; a new key is appended."""
+    (written with the array's dtype), in the file's order, tensors `drop` left out; a new key or
+    tensor is appended."""
     kv, tensors = dict(kv or {}), dict(tensors or {})
     reader = GGUFReader(str(src))
     writer = GGUFWriter(str(dst), "unused")
@@ -35,10 +36,14 @@ def rewrite(src: Path, dst: Path, kv: dict | None = None, tensors: dict | None =
         writer.add_key_value(name, new[0], new[1], sub_type=new[2] if len(new) > 2 else None)
     for t in reader.tensors:
         data = np.asarray(t.data)
+        if t.name in drop:
+            continue
         if t.name in tensors:
-            writer.add_tensor(t.name, tensors[t.name])
+            writer.add_tensor(t.name, tensors.pop(t.name))
         else:
             writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType(t.tensor_type))
+    for name, data in tensors.items():
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -130,6 +135,51 @@ def test_a_draft_tensor_of_the_wrong_type_is_refused(name, dtype, expected, tiny
     data = tensor_data(tiny_draft_gguf, name).astype(dtype)
     bad = rewrite(tiny_draft_gguf, tmp_path / "bad.gguf", tensors={name: data})
     refused(f"{bad}: tensor '{name}': {expected}", tiny_target_gguf, bad)
+
+
+@pytest.fixture(scope="module")
+def reduced_vocab_gguf(tiny_draft_hf, tiny_target_gguf, tmp_path_factory) -> Path:
+    from dflash_llama.converter import convert
+
+    return convert(tiny_draft_hf, tiny_target_gguf, tmp_path_factory.mktemp("d2t") / "d2t.gguf", "f32",
+                   draft_vocab=64)
+
+
+def d2t_case(case: str, draft: Path, dst: Path) -> tuple[Path, str]:
+    """A broken reduced vocabulary planted in `draft` (which has one) and the message after '<file>: '."""
+    d2t = tensor_data(draft, "d2t").astype(np.int64)
+    if case == "no own head":
+        return rewrite(draft, dst, drop=("output.weight",)), ("tensor 'd2t' (a reduced vocabulary) needs the "
+                                                               "draft's own 'output.weight' over its 64 rows")
+    if case == "own head, no d2t":
+        return rewrite(draft, dst, drop=("d2t",)), (
+            "tensor 'output.weight': the runtime uses the target's embeddings and head; a draft with its own is "
+            "not supported by this runtime (an own head needs a d2t: a reduced vocabulary)")
+    if case == "id past the vocabulary":
+        d2t[-1] = 49152
+        return rewrite(draft, dst, tensors={"d2t": d2t}), ("d2t maps draft row 63 to token 49152, outside the "
+                                                           "target's vocabulary of 49152 tokens")
+    if case == "negative id":
+        d2t[3] = -1
+        return rewrite(draft, dst, tensors={"d2t": d2t}), "tensor 'd2t': entry 3 is -1, not a token id"
+    if case == "two rows, one token":
+        d2t[5] = d2t[4]
+        return rewrite(draft, dst, tensors={"d2t": d2t}), f"d2t maps two draft rows to token {d2t[4]}"
+    if case == "i32 ids":
+        return (rewrite(draft, dst, tensors={"d2t": d2t.astype(np.int32)}),
+                "tensor 'd2t': type i32, expected i64 (token ids)")
+    if case == "head rows differ":
+        head = tensor_data(draft, "output.weight")[:32]
+        return rewrite(draft, dst, tensors={"output.weight": head}), ("tensor 'output.weight' has ne[1] = 32, "
+                                                                      "expected 64")
+    raise KeyError(case)
+
+
+@pytest.mark.parametrize("case", ["no own head", "own head, no d2t", "id past the vocabulary", "negative id",
+                                  "two rows, one token", "i32 ids", "head rows differ"])
+def test_a_broken_reduced_vocabulary_is_one_line(case, reduced_vocab_gguf, tiny_target_gguf, tmp_path):
+    bad, message = d2t_case(case, reduced_vocab_gguf, tmp_path / "bad.gguf")
+    refused(f"{bad}: {message}", tiny_target_gguf, bad)
 
 
 def test_a_draft_in_f16_still_loads(tiny_draft_gguf, tiny_target_gguf, tmp_path):

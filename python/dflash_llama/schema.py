@@ -154,6 +154,11 @@ TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("output.weight", "lm_head.weight", ("n_embd", "n_vocab"), False, "own output head (optional)"),
 )
 
+# A reduced draft vocabulary, as the pinned `dflash` graph reads it: `d2t` (i64 [n_draft_vocab],
+# ascending target token ids) and the draft's own `output.weight` [n_embd, n_draft_vocab] over those
+# rows; the draft's logits are scattered into the target's vocabulary, -inf elsewhere.
+D2T = "d2t"
+
 # Rows of q_proj / k_proj / q_norm / k_norm that the pinned converter reorders for drafts trained
 # with interleaved RoPE (config `rope_is_neox_style: false`), since llama.cpp's draft ropes NeoX-style.
 ROPE_PERMUTED = ("blk.{bid}.attn_q.weight", "blk.{bid}.attn_k.weight",
@@ -182,6 +187,7 @@ def temporal_rope_sections(value: Any) -> bool:
 
 
 _DFLASH2 = "DFlash 2 drafts (convolutions + candidate selector) are not supported"
+_OWN = "the runtime uses the target's embeddings and head; a draft with its own is not supported by this runtime"
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(HIDDEN_ACTIVATION, "only silu FFNs are supported", allowed=("silu",)),
     Refusal(ATTENTION_SCALE, "a custom attention scale is not supported"),
@@ -196,10 +202,10 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(SAMPLE_FROM_ANCHOR, "DSpark drafts (sampling from the anchor) are not supported", allowed=(False,)),
     Refusal(HAS_CONFIDENCE_HEAD, "DSpark drafts (confidence head) are not supported"),
     Refusal(HYPER_CONNECTION_COUNT, "DSpark drafts on a DeepSeek-V4 backbone are not supported"),
-    # llama.cpp uses a draft's own embeddings and head; our graph uses the target's: refused, never ignored
-    *(Refusal(t, "the runtime uses the target's embeddings and head; a draft with its own is not supported "
-                 "by this runtime", tensor=True) for t in ("token_embd.weight", "output.weight")),
-    Refusal("d2t", "reduced-vocabulary drafts (d2t) are not supported", tensor=True),
+    # llama.cpp uses a draft's own embeddings and head; our graph uses the target's: refused, never
+    # ignored. An own head with a d2t is a reduced vocabulary, which both read (see `refusals`).
+    Refusal("token_embd.weight", _OWN, tensor=True),
+    Refusal("output.weight", _OWN + " (an own head needs a d2t: a reduced vocabulary)", tensor=True),
     *(Refusal(t, "DSpark drafts (Markov / confidence heads) are not supported", tensor=True)
       for t in ("markov_w1.weight", "markov_w2.weight", "markov_w2.scale", "conf_proj.weight", "conf_proj.bias")),
     *(Refusal(t, _DFLASH2, tensor=True)
@@ -229,8 +235,14 @@ def refusals(kv: dict[str, Any], tensor_names=()) -> list[str]:
                 or (r.accept is not None and r.accept(value))):
             continue
         out.append(f"'{r.name}' = {value!r}: {r.why}")
-    refused = [(_pattern(r.name), r.why) for r in REFUSALS if r.tensor]
+    tensor_names = list(tensor_names)
+    reduced = D2T in tensor_names
+    refused = [(_pattern(r.name), r.why) for r in REFUSALS if r.tensor and not (reduced and r.name == "output.weight")]
+    if reduced and "output.weight" not in tensor_names:
+        out.append(f"tensor '{D2T}': a reduced vocabulary needs the draft's own 'output.weight' over its rows")
     for name in tensor_names:
+        if name == D2T:
+            continue
         why = next((why for p, why in refused if p.match(name)), None)
         if why is None and hf_tensor_name(name) is None:
             why = "not a tensor of a DFlash 1 draft"

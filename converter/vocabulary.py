@@ -1,0 +1,75 @@
+"""A reduced draft vocabulary (`--draft-vocab K`): which K target tokens the draft's head keeps, and
+its rows, taken from the target's own head.
+
+The pinned `dflash` graph reads it as `d2t` (i64 target ids) plus the draft's own `output.weight`
+over those rows; a draft step then multiplies by K rows instead of the whole vocabulary (the head is
+most of a small draft's step). Tokens the target emits outside the K can never be drafted, so they
+cost acceptance, never exactness: the target verifies every drafted token.
+
+Which tokens: every end-of-generation token (so the draft can propose the stop), then the target
+tokenizer's most likely tokens first: by score where the vocabulary has scores (SentencePiece
+log-probabilities), else by id (byte-level BPE vocabularies number tokens in merge order, most
+frequent pairs first). Control and unused tokens are never chosen otherwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .checkpoint import ConversionError, read_tensors
+from .target import TargetInfo
+
+# llama.cpp's token types (gguf-py TokenType)
+_NORMAL, _USER_DEFINED, _BYTE = 1, 4, 6
+_EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def choose_tokens(target: TargetInfo, k: int) -> np.ndarray:
+    """The K target token ids the draft's head keeps, ascending (int64)."""
+    if not 0 < k < target.vocab:
+        raise ConversionError(f"--draft-vocab {k}: expected 1 to {target.vocab - 1} (the target {target.path} "
+                              f"has {target.vocab} tokens; 0 keeps the whole vocabulary)")
+    fields = {f.key: f.value for f in target.tokenizer_fields()}
+    eog = {int(fields[key]) for key in _EOG_KEYS if isinstance(fields.get(key), int)
+           and 0 <= fields[key] < target.vocab}
+    if k <= len(eog):
+        raise ConversionError(f"--draft-vocab {k}: the target has {len(eog)} end-of-generation tokens, "
+                              "which the draft keeps; ask for more")
+    types = np.asarray(fields.get("tokenizer.ggml.token_type") or [_NORMAL] * target.vocab)
+    candidates = np.flatnonzero(np.isin(types[:target.vocab], (_NORMAL, _USER_DEFINED, _BYTE)))
+    scores = fields.get("tokenizer.ggml.scores")
+    if scores is not None and len(scores) >= target.vocab:
+        s = np.asarray(scores, dtype=np.float64)[candidates]
+        if s.size and np.ptp(s) > 0:
+            candidates = candidates[np.argsort(-s, kind="stable")]
+    rest = [int(t) for t in candidates if int(t) not in eog][:k - len(eog)]
+    return np.array(sorted(eog | set(rest)), dtype=np.int64)
+
+
+def head_rows(target: TargetInfo, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of the target's output head (its tied embeddings if it has none), f32 [K, hidden]."""
+    if target.kind == "gguf":
+        from dflash_llama import gguf_info
+
+        info = gguf_info(target.path)
+        names = {t.name for t in info.tensors}
+        name = "output.weight" if "output.weight" in names else "token_embd.weight"
+        if name not in names:
+            raise ConversionError(f"target {target.path}: no output.weight nor token_embd.weight to take the "
+                                  "draft's head rows from")
+        try:
+            rows = info.read(name, rows=ids)
+        except ValueError as e:
+            raise ConversionError(f"target {target.path}: {e}") from e
+    else:
+        tensors = read_tensors(target.path)
+        head = next((tensors[n] for n in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight")
+                     if n in tensors), None)
+        if head is None:
+            raise ConversionError(f"target {target.path}: no lm_head.weight nor embed_tokens.weight to take the "
+                                  "draft's head rows from")
+        rows = head.load_f32()[ids]
+    if rows.shape != (len(ids), target.hidden):
+        raise ConversionError(f"target {target.path}: output head rows have shape {list(rows.shape)}, "
+                              f"expected [{len(ids)}, {target.hidden}]")
+    return np.ascontiguousarray(rows, dtype=np.float32)
