@@ -107,6 +107,8 @@ void bind_policy_summary(nb::module_ & m) {
         .def_ro("plain_steps", &policy_summary::plain_steps)
         .def_ro("draft_steps", &policy_summary::draft_steps)
         .def_ro("probes", &policy_summary::probes)
+        .def_ro("shadow_probes", &policy_summary::shadow_probes)
+        .def_ro("calibration_ms", &policy_summary::calibration_ms)
         .def_prop_ro("mean_draft", &policy_summary::mean_draft)
         .def_prop_ro("plain_share", &policy_summary::plain_share)
         .def_prop_ro("predicted_tokens_per_second", &policy_summary::predicted_tokens_per_second);
@@ -117,7 +119,14 @@ void bind_draft_policy(nb::module_ & m) {
     using dflash::draft_policy;
     nb::class_<draft_policy>(m, "DraftPolicy")
         .def(nb::init<int32_t>(), "max_draft"_a)
+        .def("__init__", [](draft_policy * p, int32_t max_draft, std::vector<double> verify_ms,
+                            std::vector<double> draft_ms, bool shadow) {
+                 const dflash::step_costs costs{ std::move(verify_ms), std::move(draft_ms) };
+                 new (p) draft_policy(max_draft, &costs, shadow);
+             }, "max_draft"_a, "verify_ms"_a, "draft_ms"_a, "shadow"_a)
         .def("choose", &draft_policy::choose)
+        .def("take_shadow", &draft_policy::take_shadow)
+        .def("observe_shadow", &draft_policy::observe_shadow, "n"_a, "matched"_a, "settled"_a, "t_draft_ms"_a)
         .def("observe_plain", &draft_policy::observe_plain, "t_ms"_a)
         .def("observe_draft", &draft_policy::observe_draft, "n"_a, "accepted"_a, "t_draft_ms"_a, "t_verify_ms"_a)
         .def("expected_tokens", &draft_policy::expected_tokens, "n"_a)

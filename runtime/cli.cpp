@@ -216,7 +216,8 @@ void print_json(const dflash::generate_result & r, const std::string & text) {
     if (r.adaptive) {
         const auto & p = r.policy;
         ss << ", \"policy\": {\"plain_steps\": " << p.plain_steps << ", \"draft_steps\": " << p.draft_steps
-           << ", \"probes\": " << p.probes << ", \"mean_draft\": " << p.mean_draft() << ", \"predicted_tokens_per_second\": "
+           << ", \"probes\": " << p.probes << ", \"shadow_probes\": " << p.shadow_probes
+           << ", \"calibration_ms\": " << p.calibration_ms << ", \"mean_draft\": " << p.mean_draft() << ", \"predicted_tokens_per_second\": "
            << p.predicted_tokens_per_second() << "}";
     }
     ss << "}";
@@ -236,9 +237,13 @@ void print_stats(const dflash::generate_result & r, bool speculative) {
         std::fprintf(stderr, "\n");
         if (r.adaptive) {
             const auto & p = r.policy;
-            std::fprintf(stderr, "draft length:     auto: %.0f%% plain steps (%d probes), mean N %.2f over %d drafting steps; "
-                                 "predicted %.1f tok/s\n", 100.0 * p.plain_share(), p.probes, p.mean_draft(), p.draft_steps,
-                         p.predicted_tokens_per_second());
+            std::fprintf(stderr, "draft length:     auto: %.0f%% plain steps (%d probes, %d of them unverified drafts), "
+                                 "mean N %.2f over %d drafting steps; predicted %.1f tok/s\n", 100.0 * p.plain_share(),
+                         p.probes, p.shadow_probes, p.mean_draft(), p.draft_steps, p.predicted_tokens_per_second());
+            if (p.calibration_ms > 0.0) {
+                std::fprintf(stderr, "step costs:       measured in %.0f ms before the generation (once per run)\n",
+                             p.calibration_ms);
+            }
         }
     }
     std::fprintf(stderr, "speed:            %.2f tok/s (prefill excluded)\n", s.tokens_per_second());

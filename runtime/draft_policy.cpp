@@ -18,13 +18,27 @@ void draft_policy::average::add(double x) {
     seen  = true;
 }
 
-draft_policy::draft_policy(int32_t max_draft)
+draft_policy::draft_policy(int32_t max_draft, const step_costs * costs, bool shadow)
     : max_draft_(max_draft), verify_(max_draft + 2), draft_(max_draft + 1), hits_(max_draft + 1, 0.0),
-      tries_(max_draft + 1, 0.0) {
+      tries_(max_draft + 1, 0.0), shadow_(shadow) {
     if (max_draft < 1) {
         throw std::invalid_argument("the adaptive loop needs a block of at least 2 tokens, got a draft of " +
                                     std::to_string(max_draft));
     }
+    if (costs == nullptr) {
+        return;
+    }
+    for (size_t k = 1; k < costs->verify.size() && k <= (size_t) max_draft + 1; ++k) {
+        if (costs->verify[k] > 0.0) verify_[k].add(costs->verify[k]);
+    }
+    for (size_t n = 1; n < costs->draft.size() && n <= (size_t) max_draft; ++n) {
+        if (costs->draft[n] > 0.0) draft_[n].add(costs->draft[n]);
+    }
+    if (!verify_[1].seen || std::none_of(draft_.begin(), draft_.end(), [](const average & a) { return a.seen; })) {
+        throw std::invalid_argument("draft_policy: step costs need a plain step's time and a draft forward's");
+    }
+    plain_mode_ = true;  // start plain and probe at once: the costs are known, acceptance is not;
+    interval_   = kProbeFirst / 2;  // that opening probe failing waits kProbeFirst steps, then 16, 32 ...
 }
 
 double draft_policy::expected_tokens(int32_t n) const {
@@ -106,19 +120,37 @@ int32_t draft_policy::choose() {
         n = 0;  // the first step measures plain decoding
     } else if (std::none_of(draft_.begin(), draft_.end(), [](const average & a) { return a.seen; })) {
         n = std::min(kFirstDraft, max_draft_);  // the second measures drafting
-    } else if (plain_mode_ && countdown_ > 0) {
-        --countdown_;
+    } else if (plain_mode_ && (countdown_ > 0 || probing_)) {
+        countdown_ -= countdown_ > 0 ? 1 : 0;  // a shadow probe being scored: wait for its outcome
     } else if (plain_mode_) {
         probing_ = true;
         ++summary_.probes;
-        n = best(1);
+        if (shadow_) {
+            ++summary_.shadow_probes;
+            shadow_n_ = max_draft_;  // every position scored at once
+        } else {
+            n = best(1);
+        }
     } else {
-        n = best(0);
+        n = pays(best(1)) ? best(1) : 0;
         if (n == 0) {
             plain_mode_ = true;
             countdown_  = interval_ - 1;
         }
     }
+    return n;
+}
+
+// Drafting n beats plain decoding by kSwitchMargin: a step that only just pays on paper loses to the
+// noise of its estimates.
+bool draft_policy::pays(int32_t n) const {
+    const double ms = expected_ms(n), plain = expected_ms(0);
+    return ms > 0.0 && plain > 0.0 && expected_tokens(n) / ms > (1.0 + kSwitchMargin) / plain;
+}
+
+int32_t draft_policy::take_shadow() {
+    const int32_t n = shadow_n_;
+    shadow_n_ = 0;
     return n;
 }
 
@@ -144,19 +176,41 @@ void draft_policy::observe_draft(int32_t n, int32_t accepted, double t_draft_ms,
     draft_[n].add(t_draft_ms);
     verify_[n + 1].add(t_verify_ms);
     decay();
-    for (int32_t j = 1; j <= std::min(accepted + 1, n); ++j) {
+    count(n, accepted, true);
+    if (probing_) {
+        end_probe();
+    }
+}
+
+void draft_policy::observe_shadow(int32_t n, int32_t matched, bool settled, double t_draft_ms) {
+    if (!probing_ || n < 1 || n > max_draft_ || matched < 0 || matched > n) {
+        throw std::invalid_argument("draft_policy: a shadow probe of " + std::to_string(n) + " proposals, " +
+                                    std::to_string(matched) + " matched" + (probing_ ? "" : ", none asked for"));
+    }
+    draft_[n].add(t_draft_ms);
+    summary_.predicted_ms += t_draft_ms;  // its cost, with no tokens of its own
+    count(n, matched, settled || matched == n);
+    end_probe();
+}
+
+// Position j of n was tried when every position before it was accepted; `accepted` were.
+void draft_policy::count(int32_t n, int32_t accepted, bool settled) {
+    for (int32_t j = 1; j <= std::min(accepted + (settled ? 1 : 0), n); ++j) {
         tries_[j] += 1.0;
         hits_[j]  += j <= accepted ? 1.0 : 0.0;
     }
-    if (probing_) {  // a probe from plain mode: stay plain (and wait longer) unless drafting now pays
-        probing_ = false;
-        if (best(0) == 0) {
-            interval_  = std::min(2 * interval_, kProbeMax);
-            countdown_ = interval_ - 1;
-        } else {
-            plain_mode_ = false;
-            interval_   = kProbeFirst;
-        }
+}
+
+// A probe from plain mode: stay plain (and wait longer) unless drafting now pays by a margin (one
+// probe is thin evidence: a switch that only just pays loses to noise).
+void draft_policy::end_probe() {
+    probing_ = false;
+    if (!pays(best(1))) {
+        interval_  = std::min(2 * interval_, kProbeMax);
+        countdown_ = interval_ - 1;
+    } else {
+        plain_mode_ = false;
+        interval_   = kProbeFirst;
     }
 }
 

@@ -8,11 +8,20 @@
 //   speed(N) = E(N) / (t_draft(N) + t_verify(N+1)),   speed(0) = 1 / t_plain
 //
 // When plain decoding wins it stays plain, and re-probes drafting after 8, 16, 32 ... 256 plain
-// steps: the interval doubles while probes do not pay and starts again at 8 when one does. The
-// first step is plain (it measures t_plain), the second drafts (it measures the rest).
+// steps: the interval doubles while probes do not pay (by kSwitchMargin) and starts again at 8 when
+// one does.
 // Costs are exponential averages per size; sizes not yet seen are interpolated linearly between
 // seen ones. Acceptance counts decay (by kDecay a step, plain steps too) so that they follow the text
 // and a probe after a long plain stretch is judged mostly on what it sees.
+//
+// Two ways to start and to probe:
+// - Learning everything online (no step_costs): the first step is plain (it measures t_plain), the
+//   second drafts (it measures the rest), and a probe is a drafting step.
+// - With step costs measured beforehand (`measure_step_costs`, once per engine) and shadow probes
+//   (greedy decoding only): the loop starts plain and probes at once, and a probe is a draft forward
+//   whose proposals are never verified: the plain steps that follow score them for free (greedy
+//   output is the target's own, so proposal j would have been accepted iff it equals the j-th
+//   token that plain decoding then produces). A probe then costs a draft forward, not a verify.
 #pragma once
 
 #include <cstdint>
@@ -20,10 +29,18 @@
 
 namespace dflash {
 
+// What steps cost on this machine and target, measured before a generation (ms).
+struct step_costs {
+    std::vector<double> verify;  // [k]: one target decode of k tokens (k = 1: a plain step), k = 1..
+    std::vector<double> draft;   // [n]: a draft forward of n proposals with an injection, n = 1..
+};
+
 struct policy_summary {
     int32_t plain_steps = 0;        // N = 0: a plain decode, no draft forward
     int32_t draft_steps = 0;        // N >= 1
-    int32_t probes      = 0;        // drafting steps taken from plain mode to re-measure
+    int32_t probes      = 0;        // probes of drafting from plain mode (drafting steps or shadow probes)
+    int32_t shadow_probes = 0;      // of them: draft forwards scored by the plain steps after them
+    double  calibration_ms = 0.0;   // time spent measuring step_costs for this generation (0: known)
     int64_t drafted     = 0;        // sum of N over drafting steps
     double  predicted_tokens = 0.0; // sum over steps of the expected tokens of the choice
     double  predicted_ms     = 0.0; // sum over steps of its expected time
@@ -38,14 +55,22 @@ struct policy_summary {
 
 class draft_policy {
 public:
-    explicit draft_policy(int32_t max_draft);
+    // costs: measured step costs to start from (nullptr: learn them in the first steps); shadow:
+    // probe with unverified draft forwards (greedy decoding only).
+    explicit draft_policy(int32_t max_draft, const step_costs * costs = nullptr, bool shadow = false);
 
     // N for the next step, 0..max_draft (the caller may cut it near the end of the sequence).
     int32_t choose();
+    // After a plain step: the number of proposals of a shadow probe to draft now (0: none). Its
+    // outcome comes back through observe_shadow.
+    int32_t take_shadow();
     // What the chosen step cost: a plain decode of one token, or a draft forward of n proposals,
     // a verify of n + 1 tokens and the injection of the accepted ones, `accepted` of n accepted.
     void observe_plain(double t_ms);
     void observe_draft(int32_t n, int32_t accepted, double t_draft_ms, double t_verify_ms);
+    // A shadow probe of n proposals: its first `matched` equal the tokens produced after it; settled:
+    // proposal matched + 1 was seen to differ (or all n matched), else the sequence ended first.
+    void observe_shadow(int32_t n, int32_t matched, bool settled, double t_draft_ms);
 
     double expected_tokens(int32_t n) const;
     double expected_ms(int32_t n) const;  // 0 while the cost of n cannot be estimated yet
@@ -55,15 +80,19 @@ public:
     static constexpr double  kCostWeight   = 0.2;  // weight of a new time in its average
     static constexpr int32_t kProbeFirst   = 8;
     static constexpr int32_t kProbeMax     = 256;
+    static constexpr double  kSwitchMargin = 0.1;  // a probe ends plain mode when drafting is this much faster
 
 private:
     struct average { double value = 0.0; bool seen = false; void add(double x); };
 
     int32_t best(int32_t n_min) const;
+    bool    pays(int32_t n) const;
     double  verify_ms(int32_t k) const;   // k tokens in one target decode; k = 1 is a plain step
     double  draft_ms(int32_t n) const;
     void    note_step(int32_t n);
     void    decay();
+    void    count(int32_t n, int32_t accepted, bool settled);
+    void    end_probe();
 
     int32_t max_draft_;
     std::vector<average> verify_;   // [k], k = 1..max_draft + 1
@@ -71,6 +100,8 @@ private:
     std::vector<double>  hits_, tries_;  // decayed counts per position [j], j = 1..max_draft
     bool    plain_mode_ = false;
     bool    probing_    = false;
+    bool    shadow_     = false;
+    int32_t shadow_n_   = 0;   // a shadow probe asked for, not yet taken
     int32_t countdown_  = 0;
     int32_t interval_   = kProbeFirst;
     policy_summary summary_;

@@ -7,6 +7,7 @@
 #include "speculative.h"
 #include "target.h"
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,6 +52,7 @@ public:
     draft_trace trace_draft(const std::vector<float> & features, int32_t n_ctx_tokens, const std::vector<int32_t> & block);
 
 private:
+    std::map<int32_t, step_costs>  step_costs_;  // per block size: measured at its first adaptive generation
     std::unique_ptr<target_runner> target_;
     std::unique_ptr<draft_model>   draft_model_;
     std::unique_ptr<draft_runner>  draft_runner_;

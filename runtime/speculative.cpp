@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <stdexcept>
 #include <tuple>
 #include <utility>
@@ -245,6 +246,30 @@ struct spec_loop {
         return t_ms;
     }
 
+    // A shadow probe (greedy only): n proposals after `last`, never verified; the plain steps that
+    // follow score them (`score_shadow`). Returns the draft time (with the injection of what waited).
+    struct shadow_probe { std::vector<int32_t> proposals; int32_t matched = 0; double t_draft = 0.0; };
+    std::optional<shadow_probe> shadow;
+
+    void shadow_step(int32_t n) {
+        n = std::min(n, max_length - start - 1);
+        if (n < 1) return;
+        const auto t0 = clock_type::now();
+        pending.flush(draft);
+        shadow_probe probe;
+        propose(n, probe.proposals);
+        probe.t_draft = ms_since(t0);
+        res.stats.t_draft_ms += probe.t_draft;
+        shadow = std::move(probe);
+    }
+
+    // Scores the shadow probe against the token plain decoding produced; true once it is settled.
+    bool score_shadow(int32_t token) {
+        if (!shadow) return false;
+        if (shadow->proposals[shadow->matched] != token) return true;
+        return ++shadow->matched == (int32_t) shadow->proposals.size();
+    }
+
     // N >= 1: draft, verify [last, drafted...] in one target decode, keep the accepted prefix and the
     // target's next token, roll back the rest. Returns {draft ms (with the injection), verify ms, accepted}.
     std::tuple<double, double, int32_t> draft_step(int32_t n, const token_callback & on_tokens) {
@@ -282,12 +307,83 @@ struct spec_loop {
 
 } // namespace
 
+step_costs measure_step_costs(target_runner & target, draft_runner & draft, int32_t block_size) {
+    const draft_hparams & hp = draft.hparams();
+    const std::vector<int32_t> tokens(block_size, hp.mask_token_id);
+    // the faster of two runs, each after `before` (untimed): the loop alternates draft and target,
+    // and each evicts the other's weights from the CPU caches, so each is timed after the other
+    auto timed = [](auto && before, auto && fn) {
+        double best = 0.0;
+        for (int rep = 0; rep < 2; ++rep) {
+            before();
+            const auto t0 = clock_type::now();
+            fn();
+            const double t = ms_since(t0);
+            best = rep == 0 ? t : std::min(best, t);
+        }
+        return best;
+    };
+    step_costs costs;
+    costs.verify.assign(block_size + 1, 0.0);
+    costs.draft.assign(block_size, 0.0);
+    target.rollback(0);
+    draft.crop(0);
+    target.set_capture(hp.target_layer_ids);
+    target.decode(tokens.data(), block_size, 0, /*all_logits=*/true);  // warm-up (first touch of the weights)
+    const std::vector<float> features = target.features();
+    target.rollback(0);
+    std::vector<float> logits;
+    auto a_draft_step = [&] {
+        draft.inject(features.data(), 1, 0);
+        draft.forward_block(tokens.data(), 2, 1, logits, nullptr, 1);
+        draft.crop(0);
+    };
+    for (int32_t k = 1; k <= block_size; ++k) {
+        costs.verify[k] = timed(a_draft_step, [&] {
+            target.decode(tokens.data(), k, 0, /*all_logits=*/k > 1);
+            target.rollback(0);
+        });
+    }
+    // the draft step as the loop takes it: the injection of a step's tokens (two here), then the
+    // block, over a context of kContext positions (attention over it is part of the cost)
+    constexpr int32_t kContext = 64, kInjected = 2;
+    const int32_t n_context = std::max(0, std::min(kContext, target.n_ctx() - block_size - kInjected));
+    const size_t row = (size_t) hp.n_taps() * hp.n_embd;
+    std::vector<float> context((size_t) (n_context + kInjected) * row);
+    for (int32_t i = 0; i < n_context + kInjected; ++i) {
+        std::copy_n(features.data() + (size_t) (i % block_size) * row, row, context.data() + (size_t) i * row);
+    }
+    draft.inject(context.data(), n_context, 0);
+    auto a_target_step = [&] {
+        target.decode(tokens.data(), 2, 0, /*all_logits=*/true);
+        target.rollback(0);
+    };
+    for (int32_t n = 1; n < block_size; ++n) {
+        costs.draft[n] = timed(a_target_step, [&] {
+            draft.inject(context.data() + (size_t) n_context * row, kInjected, n_context);
+            draft.forward_block(tokens.data(), n + 1, n_context + kInjected, logits, nullptr, n);
+            draft.crop(n_context);
+        });
+    }
+    draft.crop(0);
+    return costs;
+}
+
 generate_result generate_speculative(target_runner & target, draft_runner & draft, const std::vector<int32_t> & prompt,
-                                     const generate_params & params, const token_callback & on_tokens) {
-    const auto t_start = clock_type::now();
+                                     const generate_params & params, const token_callback & on_tokens,
+                                     step_costs * costs) {
+    auto t_start = clock_type::now();
     const int32_t max_length = check_request(target, prompt, params);
     const draft_hparams & hp = draft.hparams();
     const auto [block_size, draft_max] = block_shape(target, hp, params);
+    double calibration_ms = 0.0;
+    if (costs != nullptr && params.adaptive && costs->verify.empty()) {
+        const auto t0 = clock_type::now();
+        *costs = measure_step_costs(target, draft, block_size);
+        calibration_ms = ms_since(t0);
+        t_start = clock_type::now();  // once per engine, like a warm-up at load: not this generation's time
+    }
+    const step_costs * known = params.adaptive && costs != nullptr ? costs : nullptr;
 
     generate_result res;
     res.stats.n_prompt = (int32_t) prompt.size();
@@ -316,20 +412,34 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
     loop.stopped = loop.is_stop(loop.last);
     loop.start = (int32_t) prompt.size();
 
-    draft_policy policy(draft_max);
+    // shadow probes score proposals against plain decoding's tokens: sound for greedy output only
+    draft_policy policy(draft_max, known, known != nullptr && params.sampling.greedy());
     while (loop.start + 1 < max_length && !loop.stopped) {
         // near max_length the block is shorter (as published), and the last token is a plain step
         const int32_t room = max_length - loop.start - 1;
         const int32_t n = std::min(params.adaptive ? policy.choose() : draft_max, room);
         if (n == 0) {
             const double t_ms = loop.plain_step(on_tokens);
-            if (params.adaptive) policy.observe_plain(t_ms);
+            if (!params.adaptive) continue;
+            policy.observe_plain(t_ms);
+            if (loop.score_shadow(loop.last)) {
+                policy.observe_shadow((int32_t) loop.shadow->proposals.size(), loop.shadow->matched, true,
+                                      loop.shadow->t_draft);
+                loop.shadow.reset();
+            }
+            if (const int32_t n_shadow = policy.take_shadow(); n_shadow > 0 && !loop.stopped) {
+                loop.shadow_step(n_shadow);
+                if (!loop.shadow) {  // no room left for one: the probe ends unanswered
+                    policy.observe_shadow(1, 0, false, 0.0);
+                }
+            }
         } else {
             const auto [t_draft, t_verify, accepted] = loop.draft_step(n, on_tokens);
             if (params.adaptive) policy.observe_draft(n, accepted, t_draft, t_verify);
         }
     }
     res.policy = policy.summary();
+    res.policy.calibration_ms = calibration_ms;
 
     res.stats.n_generated = (int32_t) res.tokens.size();
     res.stop_reason = stop_reason_for(loop.start + 1, max_length, loop.stopped, prompt, params);

@@ -39,7 +39,7 @@ def test_run_is_exact_and_the_default_draft_is_trained(capsys, cache):
     tau = float(re.search(r"tau (\d+\.\d+)", err).group(1))
     assert tau > 1.3, err  # an untrained draft is accepted almost never: tau ~ 1.0
     assert "draft length:" not in err  # a fixed draft length has no adaptive summary
-    assert len(list(cache.glob("smollm2-135m-dflash-*-f16.gguf"))) == 1  # converted once, cached
+    assert len(list(cache.glob("smollm2-135m-dflash-*-q8_0-v8192.gguf"))) == 1  # converted once, cached
 
 
 def test_run_defaults_to_the_adaptive_loop(capsys, cache):
@@ -47,12 +47,14 @@ def test_run_defaults_to_the_adaptive_loop(capsys, cache):
     _, err = capsys.readouterr()
     assert rc == 0, err
     assert "exact: yes" in err
-    m = re.search(r"draft length:    auto: (\d+)% plain steps \((\d+) of (\d+), (\d+) re-probes\)", err)
+    m = re.search(r"draft length:    auto: (\d+)% plain steps \((\d+) of (\d+), (\d+) probes, (\d+) of them "
+                  r"unverified drafts\)", err)
     assert m, err
-    share, plain, steps, probes = map(int, m.groups())
+    share, plain, steps, probes, shadow = map(int, m.groups())
     assert steps == int(re.search(r"(\d+) target verifies", err).group(1))  # plain steps are target decodes too
-    assert plain <= steps - 1 and probes <= steps - plain  # the second step always drafts; probes draft
+    assert 1 <= shadow <= probes and probes - shadow <= steps - plain  # greedy: it opens with a shadow probe
     assert share == round(100 * plain / steps)
+    assert re.search(r"; step costs measured first in \d+ ms\n", err), err
 
 
 def test_run_with_a_missing_draft_says_so(capsys, cache, tmp_path):

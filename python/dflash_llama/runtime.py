@@ -86,10 +86,12 @@ class Policy:
 
     plain_steps: int
     draft_steps: int
-    probes: int  # drafting steps taken from plain mode to re-measure
+    probes: int  # probes of drafting from plain mode (drafting steps, or shadow probes)
     mean_draft: float  # mean N over the drafting steps
     plain_share: float
     predicted_tokens_per_second: float  # the loop's own cost model, over its choices
+    shadow_probes: int = 0  # probes that were draft forwards scored by the plain steps after them
+    calibration_ms: float = 0.0  # the step costs measured before this generation (once per Runtime)
 
 
 @dataclass
@@ -117,7 +119,8 @@ class Generation:
 
 
 def _policy(p) -> Policy:
-    return Policy(p.plain_steps, p.draft_steps, p.probes, p.mean_draft, p.plain_share, p.predicted_tokens_per_second)
+    return Policy(p.plain_steps, p.draft_steps, p.probes, p.mean_draft, p.plain_share, p.predicted_tokens_per_second,
+                  p.shadow_probes, p.calibration_ms)
 
 
 @dataclass
