@@ -180,8 +180,9 @@ def render(res: dict, command: str, plots: list[str]) -> str:
     if adaptive:
         add("## The adaptive loop (`--draft-max auto`, the default)\n")
         add("Each step verifies the N drafted tokens (0 = a plain decode, no draft forward) of the highest "
-            "expected speed, from step costs and acceptance it measures as it goes; from plain mode it re-probes "
-            "drafting after 8, 16 … 256 plain steps (`runtime/draft_policy.h`).\n")
+            "expected speed, from step costs measured once per run and acceptance it measures as it goes; from "
+            "plain mode it re-probes drafting after 8, 16 … 256 plain steps, greedy with an unverified draft that "
+            "the plain steps after it score (`runtime/draft_policy.h`).\n")
         add("| method | plain steps | drafting steps | re-probes | mean N when drafting | vs our autoregressive "
             "| median/prompt |")
         add("|---|---:|---:|---:|---:|---:|---:|")

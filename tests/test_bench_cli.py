@@ -125,7 +125,7 @@ def test_methods_and_rows(bench_run):
             pol = r["policy"]
             assert pol["plain_steps"] + pol["draft_steps"] == r["steps"]
             assert pol["plain_steps"] == r["drafted_per_step"].count(0)
-            assert max(r["drafted_per_step"]) <= 7 and r["drafted_per_step"][:2] == [0, 2]
+            assert max(r["drafted_per_step"]) <= 7 and r["drafted_per_step"][0] == 0  # costs measured: opens plain
 
 
 def test_summary_and_ratios_come_from_the_rows(bench_run):
