@@ -307,6 +307,19 @@ struct spec_loop {
 
 } // namespace
 
+// 1, 2, 3, 4, then half as much again each time, and `max`: the sizes measured (the policy
+// interpolates between them), so that measuring stays linear in the block size.
+static std::vector<int32_t> measured_sizes(int32_t max) {
+    std::vector<int32_t> out;
+    for (int32_t k = 1; k <= max; k = k < 4 ? k + 1 : k + k / 2) {
+        out.push_back(k);
+    }
+    if (!out.empty() && out.back() != max) {
+        out.push_back(max);
+    }
+    return out;
+}
+
 step_costs measure_step_costs(target_runner & target, draft_runner & draft, int32_t block_size) {
     const draft_hparams & hp = draft.hparams();
     const std::vector<int32_t> tokens(block_size, hp.mask_token_id);
@@ -338,7 +351,7 @@ step_costs measure_step_costs(target_runner & target, draft_runner & draft, int3
         draft.forward_block(tokens.data(), 2, 1, logits, nullptr, 1);
         draft.crop(0);
     };
-    for (int32_t k = 1; k <= block_size; ++k) {
+    for (const int32_t k : measured_sizes(block_size)) {
         costs.verify[k] = timed(a_draft_step, [&] {
             target.decode(tokens.data(), k, 0, /*all_logits=*/k > 1);
             target.rollback(0);
@@ -358,7 +371,7 @@ step_costs measure_step_costs(target_runner & target, draft_runner & draft, int3
         target.decode(tokens.data(), 2, 0, /*all_logits=*/true);
         target.rollback(0);
     };
-    for (int32_t n = 1; n < block_size; ++n) {
+    for (const int32_t n : measured_sizes(block_size - 1)) {
         costs.draft[n] = timed(a_target_step, [&] {
             draft.inject(context.data() + (size_t) n_context * row, kInjected, n_context);
             draft.forward_block(tokens.data(), n + 1, n_context + kInjected, logits, nullptr, n);

@@ -5,6 +5,7 @@
 
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "llama-ext.h"  // llama_{set,get}_embeddings_layer_inp: pinned internal API, as common/speculative.cpp uses
 
 #include <algorithm>
 #include <climits>
@@ -145,6 +146,7 @@ void target_runner::make_context(int32_t n_rs_seq) {
         throw std::runtime_error(params.path + ": llama.cpp could not create a context" +
                                  (why.empty() ? std::string() : " (" + why + ")"));
     }
+    set_layer_inp_outputs(true);  // a new context: the taps chosen so far
 }
 
 std::string target_runner::architecture() const {
@@ -215,14 +217,36 @@ target_runner::~target_runner() {
     if (model_) llama_model_free(model_);
 }
 
+// Architectures whose pinned graph records every layer's input (`t_layer_inp`, read by
+// llama_get_embeddings_layer_inp); elsewhere llama.cpp aborts on the request, so the eval callback
+// reads the taps. Checked against src/models/*.cpp of the pin.
+static bool records_layer_inputs(const std::string & arch) {
+    static const char * const archs[] = { "llama", "qwen3", "qwen3moe", "gpt-oss", "qwen35", "qwen35moe" };
+    return std::any_of(std::begin(archs), std::end(archs), [&](const char * a) { return arch == a; });
+}
+
+void target_runner::set_layer_inp_outputs(bool on) {
+    for (const int32_t il : tap_layer_inp_) {
+        llama_set_embeddings_layer_inp(ctx_, (uint32_t) il, on);
+    }
+}
+
 void target_runner::set_capture(const std::vector<int32_t> & layer_ids) {
-    tap_names_.clear();
-    needs_all_rows_ = false;
     for (const int32_t id : layer_ids) {
         if (id < 0 || id >= n_layer_) {
             throw std::invalid_argument("capture layer " + std::to_string(id) + " is outside the target's " +
                                         std::to_string(n_layer_) + " layers");
         }
+    }
+    if (layer_ids == tap_ids_) {
+        return;  // as it is (a change makes llama.cpp reserve its graphs again)
+    }
+    tap_ids_ = layer_ids;
+    set_layer_inp_outputs(false);
+    tap_layer_inp_.clear();
+    tap_names_.clear();
+    needs_all_rows_ = false;
+    for (const int32_t id : layer_ids) {
         // the last layer's output, as Hugging Face reports it, is after the final norm
         if (id == n_layer_ - 1) {
             tap_names_.push_back("result_norm");
@@ -232,6 +256,13 @@ void target_runner::set_capture(const std::vector<int32_t> & layer_ids) {
         }
     }
     tap_rows_.assign(tap_names_.size(), {});
+    // the taps as graph outputs where the graph records them (not the last layer: result_norm)
+    if (!layer_ids.empty() && !needs_all_rows_ && records_layer_inputs(architecture())) {
+        for (const int32_t id : layer_ids) {
+            tap_layer_inp_.push_back(id + 1);
+        }
+        set_layer_inp_outputs(true);
+    }
 }
 
 int32_t target_runner::tap_of(const char * name) const {
@@ -245,7 +276,7 @@ int32_t target_runner::tap_of(const char * name) const {
 
 bool target_runner::on_eval(ggml_tensor * t, bool ask, void * user_data) {
     auto * self = static_cast<target_runner *>(user_data);
-    if (self->tap_names_.empty()) {
+    if (self->tap_names_.empty() || !self->tap_layer_inp_.empty()) {
         return ask ? false : true;
     }
     const char * name = ggml_get_name(t);
@@ -303,6 +334,10 @@ void target_runner::decode(const int32_t * tokens, int32_t n, int32_t pos0, bool
             const std::string why = last_error();
             throw std::runtime_error("llama_decode failed with code " + std::to_string(rc) +
                                      (why.empty() ? std::string() : " (" + why + ")"));
+        }
+        for (size_t k = 0; k < tap_layer_inp_.size(); ++k) {
+            const float * rows = llama_get_embeddings_layer_inp(ctx_, (uint32_t) tap_layer_inp_[k]);
+            tap_rows_[k].insert(tap_rows_[k].end(), rows, rows + (size_t) n_chunk * n_embd_);
         }
         // keep only the rows the caller asked for (a result_norm tap forces logits on every row)
         for (int32_t i = 0; i < n_chunk; ++i) {

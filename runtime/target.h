@@ -83,6 +83,7 @@ private:
     [[noreturn]] void vocab_error(const char * what, const std::exception & e) const;
     int32_t tap_of(const char * name) const;
     void make_context(int32_t n_rs_seq);  // (re)creates ctx_ from params_
+    void set_layer_inp_outputs(bool on);  // the graph outputs of tap_layer_inp_, on ctx_
     void save_checkpoint(const int32_t * tokens, int32_t n, int32_t pos0);
     void replay_to(int32_t pos);
 
@@ -100,6 +101,11 @@ private:
     int32_t n_ctx_ = 0, n_batch_ = 0, n_embd_ = 0, n_vocab_ = 0, n_layer_ = 0, n_seq_ = 1;
 
     std::vector<std::string> tap_names_;    // per tap: "l_out-L" or "result_norm"
+    // per tap, the llama.cpp layer whose input it is (HF id + 1), when the taps are read as graph
+    // outputs (llama_set_embeddings_layer_inp) rather than by the eval callback, which splits the
+    // graph compute at every tap
+    std::vector<int32_t>     tap_layer_inp_;
+    std::vector<int32_t>     tap_ids_;      // the layer ids of the current taps (set_capture's argument)
     bool                     needs_all_rows_ = false;  // a result_norm tap: keep every row's output
     std::vector<std::vector<float>> tap_rows_;  // per tap, rows captured so far in this decode
     std::vector<float>       features_;
