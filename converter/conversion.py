@@ -72,6 +72,9 @@ def convert(draft_dir: str | os.PathLike, target: str | os.PathLike, out: str | 
     if out.is_dir():
         raise ConversionError(f"output {out} is a directory: name the GGUF file to write")
     plan = make_plan(Path(draft_dir), target)
+    if draft_vocab and plan.vocabulary is not None:
+        raise ConversionError(f"--draft-vocab {draft_vocab}: the checkpoint {draft_dir} has a reduced vocabulary of "
+                              f"its own ({len(plan.vocabulary)} tokens, d2t)")
     if draft_vocab:
         plan = dataclasses.replace(plan, vocabulary=choose_tokens(plan.target, draft_vocab))
     if outtype == "auto":
@@ -103,6 +106,7 @@ def make_plan(draft_dir: Path, target: str | os.PathLike) -> Plan:
         raise ConversionError(f"{draft_dir}: drafts with their own mask_embedding.pt are not supported yet")
     tensors = read_tensors(draft_dir)
     tgt = read_target(target)
+    vocabulary = _checkpoint_vocabulary(draft_dir, config, tensors, tgt)
 
     if cfg.n_embd != tgt.hidden:
         raise ConversionError(f"{where}: hidden size mismatch: the draft has hidden_size {cfg.n_embd}, "
@@ -131,7 +135,28 @@ def make_plan(draft_dir: Path, target: str | os.PathLike) -> Plan:
                     "file (\"layer input tensor is null\")", tgt.n_layer - 1)
 
     cfg = dataclasses.replace(cfg, target_layer_ids=list(ids))
-    return Plan(draft_dir, cfg, tgt, _map_tensors(cfg, tensors, cfg.dims(tgt.vocab), draft_dir))
+    return Plan(draft_dir, cfg, tgt, _map_tensors(cfg, tensors, cfg.dims(tgt.vocab), draft_dir), vocabulary)
+
+
+def _checkpoint_vocabulary(draft_dir: Path, config: dict, tensors: dict[str, SourceTensor],
+                           tgt: TargetInfo) -> np.ndarray | None:
+    """A checkpoint's own reduced vocabulary (taken out of `tensors`): its `d2t` as EAGLE-3 and DSpark
+    store it, offsets (target id = i + d2t[i]), and `draft_vocab_size`; absolute target ids, checked."""
+    src = tensors.pop(L.D2T, None) or tensors.pop("model." + L.D2T, None)
+    size = config.get(L.DRAFT_VOCAB_SIZE)
+    if src is None:
+        if size not in (None, tgt.vocab) and not isinstance(size, bool):
+            raise ConversionError(f"{draft_dir}: config.json has {L.DRAFT_VOCAB_SIZE} = {size!r} but the checkpoint "
+                                  f"has no d2t tensor mapping its rows to the target's vocabulary")
+        return None
+    if len(src.shape) != 1 or (size is not None and size != src.shape[0]):
+        raise ConversionError(f"{draft_dir}: tensor 'd2t' has shape {list(src.shape)}, expected "
+                              f"[{size if size is not None else 'draft_vocab_size'}]")
+    ids = np.arange(src.shape[0], dtype=np.int64) + src.load_ints()
+    if ids.size == 0 or ids.min() < 0 or ids.max() >= tgt.vocab or np.unique(ids).size != ids.size:
+        raise ConversionError(f"{draft_dir}: tensor 'd2t' must map its {ids.size} rows to distinct token ids of the "
+                              f"target's vocabulary of {tgt.vocab} (as offsets: id = row + d2t[row])")
+    return np.sort(ids)
 
 
 def _map_tensors(cfg: DraftHParams, tensors: dict[str, SourceTensor], dims: dict[str, int],

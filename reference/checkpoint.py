@@ -33,11 +33,12 @@ def load_draft(path: str | os.PathLike, embed_tokens: torch.Tensor | None = None
         raise FileNotFoundError(f"draft {path} does not exist")
     if path.is_dir():
         cfg, tensors = read_hf_config(path), _read_safetensors(path)
+        d2t = tensors.pop(S.D2T, None)  # a reduced vocabulary: offsets, target id = row + d2t[row]
         _check_shapes(path, cfg, tensors)
         if not cfg.rope_neox:  # interleaved-pair RoPE -> NeoX halves, per head, like llama.cpp's converter
             tensors = {n: interleaved_to_halves(t, cfg.head_dim) if S.is_rope_permuted(S.gguf_tensor_name(n)[0])
                        else t for n, t in tensors.items()}
-        vocabulary = None
+        vocabulary = None if d2t is None else (torch.arange(len(d2t)) + d2t.long(), None)
     else:
         cfg, tensors, vocabulary = read_draft_gguf(path)
 

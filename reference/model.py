@@ -197,17 +197,23 @@ class DFlashDraft(nn.Module):
         self.embed_tokens: torch.Tensor | None = None  # the target's, [V, H]
         self.lm_head: torch.Tensor | None = None  # the target's, [V, H]; or the draft's own, [K, H]
         self.d2t: torch.Tensor | None = None  # a reduced vocabulary: the target id of each head row, [K]
+        self._head_from_target = False  # its head: those rows of the target's (a checkpoint's d2t)
 
     # the config's, under the names the speculative loop reads
     block_size = property(lambda self: self.config.block_size)
     mask_token_id = property(lambda self: self.config.mask_token_id)
     target_layer_ids = property(lambda self: self.config.target_layer_ids)
 
-    def set_vocabulary(self, d2t: torch.Tensor, head: torch.Tensor) -> None:
+    def set_vocabulary(self, d2t: torch.Tensor, head: torch.Tensor | None = None) -> None:
         """A reduced vocabulary: the draft's own head [K, hidden] over target tokens d2t [K]; its
-        logits are scattered into the target's vocabulary, -inf elsewhere (the pinned graph's d2t)."""
+        logits are scattered into the target's vocabulary, -inf elsewhere (the pinned graph's d2t).
+        head None: those rows of the target's head, taken when it is attached (a checkpoint's d2t)."""
         cfg = self.config
         d2t = torch.as_tensor(d2t, dtype=torch.long)
+        if head is None and d2t.dim() == 1:
+            head = (self.lm_head[d2t] if self.lm_head is not None and self.d2t is None
+                    else torch.zeros(d2t.shape[0], cfg.n_embd))  # placeholder until attach_target
+            self._head_from_target = True
         if d2t.dim() != 1 or head.shape != (d2t.shape[0], cfg.n_embd):
             raise ValueError(f"a reduced vocabulary needs d2t [K] and a head [K, {cfg.n_embd}], "
                              f"got {tuple(d2t.shape)} and {tuple(head.shape)}")
@@ -231,6 +237,8 @@ class DFlashDraft(nn.Module):
         self.embed_tokens = embed_tokens.to(dtype)
         if self.d2t is None:
             self.lm_head = lm_head.to(dtype)
+        elif self._head_from_target:
+            self.lm_head = lm_head[self.d2t].to(dtype)
 
     def new_cache(self) -> DraftCache:
         return DraftCache(self.config.n_layer)

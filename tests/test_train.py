@@ -460,3 +460,51 @@ def test_model_card_says_how_each_stage_was_trained(tmp_path):
     # an earlier stage's dataset, gone from disk, is shown from its record; one given is read anew
     assert "| gone | `code_prompts(seed=0)[0:10]` | 10 | 70 |\n| data | `self_prompts(" in card
     assert "| all | | 14 | 130 (250 with prompts) |" in card and "up to 128 or 192 tokens each" in card
+
+
+def test_a_reduced_vocabulary_is_trained_saved_converted_and_run(dataset, tiny_target_gguf, tmp_path):
+    """--draft-vocab K: the K most frequent response tokens and the end-of-generation ones, saved as
+    published checkpoints save a d2t (offsets); the converter, the runtime and the reference read it."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_llama import gguf_info, schema as L
+    from dflash_llama.converter import ConversionError
+
+    cfg = TrainConfig(target_layer_ids=LAYERS, layers=1, block_size=4, heads=4, kv_heads=2, head_dim=16, ffn=64,
+                      epochs=1.0, batch=2, anchors=8, heldout=2, eval_every=100, lr=5e-3, draft_vocab=64, seed=0)
+    ckpt = tmp_path / "draft"
+    train(dataset[0], tiny_target_gguf, ckpt, cfg, progress=False, threads=2)
+    config = json.loads((ckpt / "config.json").read_text())
+    state = load_file(str(ckpt / "model.safetensors"))
+    ids = torch.arange(64) + state["d2t"]
+    assert config[L.DRAFT_VOCAB_SIZE] == 64 and state["d2t"].dtype == torch.int64
+    assert (ids.diff() > 0).all()
+    meta = gguf_info(tiny_target_gguf).metadata
+    assert meta["tokenizer.ggml.eos_token_id"] in ids.tolist()
+    counts = response_counts(dataset[0])  # the responses' most frequent tokens are kept
+    assert max(counts, key=counts.get) in ids.tolist()
+
+    gguf = convert(ckpt, tiny_target_gguf, tmp_path / "draft.gguf", outtype="f32")
+    assert gguf_info(gguf).read(L.D2T).tolist() == ids.tolist()
+    rt = dflash_llama.Runtime(tiny_target_gguf, gguf, n_threads=2, n_ctx=256)
+    g = rt.generate("def add(a, b):", 24, draft_max=None)
+    assert g.tokens == rt.autoregressive("def add(a, b):", 24).tokens
+    assert {t for s in g.steps for t in s.drafted} <= set(ids.tolist())
+    t = target_weights_from_gguf(tiny_target_gguf)
+    ref = load_draft(ckpt, t.embed_tokens, t.lm_head)
+    assert ref.d2t.tolist() == ids.tolist() and torch.equal(ref.lm_head, t.lm_head[ids])
+    with pytest.raises(ConversionError, match="has a reduced vocabulary of its own"):
+        convert(ckpt, tiny_target_gguf, tmp_path / "again.gguf", outtype="f32", draft_vocab=32)
+    state["d2t"][3] = state["d2t"][2] - 1  # rows 2 and 3 on one token
+    save_file(state, str(ckpt / "model.safetensors"))
+    with pytest.raises(ConversionError, match="tensor 'd2t' must map its 64 rows to distinct token ids"):
+        convert(ckpt, tiny_target_gguf, tmp_path / "bad.gguf", outtype="f32")
+
+
+def response_counts(data_dir) -> dict[int, int]:
+    """Response token counts of a dataset."""
+    counts: dict[int, int] = {}
+    for tokens, prompt_len, _ in iter_sequences(data_dir):
+        for tok in tokens[prompt_len:].tolist():
+            counts[int(tok)] = counts.get(int(tok), 0) + 1
+    return counts

@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--block-size 8, 7 for 16; smaller puts the weight on the first drafted tokens)")
     p.add_argument("--vocab-subset", type=int, default=8192,
                    help="tokens in the loss's vocabulary (0: all; the held-out estimate always uses all)")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="K",
+                   help="a reduced draft vocabulary: the K most frequent response tokens (and the end-of-generation "
+                        "tokens), saved as d2t; the loss is over them too (default 0: the whole vocabulary)")
     p.add_argument("--distill", type=finite_float, default=0.0, metavar="W",
                    help="weight of KL(target || draft) on the target's whole next-token distribution against "
                         "cross-entropy on its greedy token (0: cross-entropy only). The target's logits come from "
@@ -117,6 +120,9 @@ def _check_arguments(args: argparse.Namespace, target: Path) -> list[int]:
         raise ValueError(f"--gamma must be positive (0: the published value), got {args.gamma}")
     if not 0.0 <= args.distill <= 1.0:
         raise ValueError(f"--distill is a weight between 0 and 1, got {args.distill}")
+    if args.draft_vocab < 0:
+        raise ValueError(f"--draft-vocab must be 0 (the whole vocabulary) or a number of tokens, "
+                         f"got {args.draft_vocab}")
     engines = tuple(e for e in args.eval_engines.split(",") if e)
     if set(engines) - {"runtime", "native", "published"} or not engines:
         raise ValueError(f"--eval-engines takes runtime, native, published; got {args.eval_engines!r}")
@@ -173,6 +179,7 @@ def _train(args: argparse.Namespace, target: Path, data: Path, layer_ids: list[i
     cfg = TrainConfig(target_layer_ids=layer_ids, layers=args.layers, block_size=args.block_size,
                       mask_token_id=args.mask_token_id, ffn=args.ffn, epochs=args.epochs, lr=args.lr,
                       batch=args.batch, anchors=args.anchors, gamma=args.gamma, vocab_subset=args.vocab_subset,
+                      draft_vocab=args.draft_vocab,
                       distill=args.distill, eval_every=args.eval_every, seed=args.seed,
                       bf16=cpu_has_bf16())  # resolved here so that train_log.json records it
     log = train([data, *args.extra_data], target, args.out, cfg, threads=args.threads, init=args.init)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from dflash_llama import schema as L
 from dflash_llama.reference.gguf_tensors import TargetWeights, target_weights_from_gguf
 from dflash_llama.reference.model import DFlashDraft, DraftConfig, rope_cos_sin
 
@@ -53,6 +54,7 @@ class TrainConfig:
     batch: int = 8  # sequences per optimizer step
     gamma: float = 0.0  # 0: 7 for B=16, 4 for B=8 (published), else B/2
     vocab_subset: int = 8192  # 0: full vocabulary in the loss
+    draft_vocab: int = 0  # > 0: a reduced draft vocabulary (d2t) of the K most frequent response tokens
     heldout: int = 64  # sequences held out for the tau estimate
     heldout_measure: str = "replay"  # replay_tau on the held-out sequences ("teacher-forced" before it existed)
     eval_every: int = 200  # optimizer steps
@@ -270,14 +272,39 @@ def frequent_tokens(sequences, n: int) -> torch.Tensor:
     return torch.from_numpy(np.sort(order[counts[order] > 0]).astype(np.int64))
 
 
-def save_checkpoint(draft: DFlashDraft, out: Path, extra_config: dict | None = None) -> None:
-    """The published HF format: config.json + model.safetensors (bf16), no `model.` prefix."""
+def draft_vocabulary(sequences, k: int, target_gguf) -> torch.Tensor:
+    """`d2t` of a reduced draft vocabulary: the target's end-of-generation tokens (so the draft can
+    propose the stop), then the k most frequent response tokens, ascending."""
+    from dflash_llama import gguf_info
+
+    meta = gguf_info(target_gguf).metadata
+    n_vocab = len(meta.get("tokenizer.ggml.tokens", ()))
+    eog = {int(meta[key]) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+           if isinstance(meta.get(key), int) and 0 <= meta[key] < n_vocab}
+    if not len(eog) < k < n_vocab:
+        raise ValueError(f"--draft-vocab {k}: expected {len(eog) + 1} to {n_vocab - 1} (the target has {n_vocab} "
+                         f"tokens, {len(eog)} of them end-of-generation tokens the draft keeps)")
+    sequences = list(sequences)
+    top = set(frequent_tokens(sequences, k).tolist())
+    if eog - top:  # room for the end-of-generation tokens the responses use less
+        top = set(frequent_tokens(sequences, k - len(eog - top)).tolist())
+    return torch.tensor(sorted(eog | top), dtype=torch.int64)
+
+
+def save_checkpoint(draft: DFlashDraft, out: Path, extra_config: dict | None = None,
+                    d2t: torch.Tensor | None = None) -> None:
+    """The published HF format: config.json + model.safetensors (bf16), no `model.` prefix. A reduced
+    vocabulary (`d2t`: the target ids the draft's head keeps, ascending) is stored as EAGLE-3 and
+    DSpark checkpoints store it: int64 offsets (target id = i + d2t[i]) and `draft_vocab_size`."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     config = draft.config.to_hf_config(torch_dtype="bfloat16")
     config.update(extra_config or {})
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in draft.state_dict().items()}
+    if d2t is not None:
+        state[L.D2T] = (d2t.to(torch.int64) - torch.arange(len(d2t), dtype=torch.int64)).contiguous()
+        config[L.DRAFT_VOCAB_SIZE] = len(d2t)
     tmp = out / "model.safetensors.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / "model.safetensors")
@@ -396,6 +423,9 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
     draft.embed_tokens.requires_grad_(False)
     draft.lm_head.requires_grad_(False)
     vocab = frequent_tokens((sequences[i] for i in train_ids), cfg.vocab_subset) if cfg.vocab_subset else None
+    d2t = None
+    if cfg.draft_vocab:  # the draft's own vocabulary, and the loss's: its rows are all it can propose
+        d2t = vocab = draft_vocabulary((sequences[i] for i in train_ids), cfg.draft_vocab, target_gguf)
     vocab_index = None if vocab is None else subset_index(vocab, draft.config.n_vocab)
 
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -446,7 +476,7 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
             draft.train()
             log.heldout_tau.append((step, last_tau))
             log.wall_s = time.time() - t0
-            save_checkpoint(draft, out)
+            save_checkpoint(draft, out, d2t=d2t)
             torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                         "step": step, "log": asdict(log), "rng": rng.getstate(), "config": asdict(cfg)},
                        state_path)
@@ -454,6 +484,6 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
         bar.update(1)
     bar.close()
     if total_steps == 0:
-        save_checkpoint(draft, out)
+        save_checkpoint(draft, out, d2t=d2t)
     log.wall_s = time.time() - t0
     return log

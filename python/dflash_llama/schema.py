@@ -158,6 +158,7 @@ TENSORS: tuple[TensorSpec, ...] = (
 # ascending target token ids) and the draft's own `output.weight` [n_embd, n_draft_vocab] over those
 # rows; the draft's logits are scattered into the target's vocabulary, -inf elsewhere.
 D2T = "d2t"
+DRAFT_VOCAB_SIZE = "draft_vocab_size"  # its size in a checkpoint's config.json (d2t there: offsets, i + d2t[i])
 
 # Rows of q_proj / k_proj / q_norm / k_norm that the pinned converter reorders for drafts trained
 # with interleaved RoPE (config `rope_is_neox_style: false`), since llama.cpp's draft ropes NeoX-style.
