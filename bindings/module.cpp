@@ -127,6 +127,7 @@ void bind_draft_policy(nb::module_ & m) {
         .def("choose", &draft_policy::choose)
         .def("take_shadow", &draft_policy::take_shadow)
         .def("observe_shadow", &draft_policy::observe_shadow, "n"_a, "matched"_a, "settled"_a, "t_draft_ms"_a)
+        .def("drop_shadow", &draft_policy::drop_shadow)
         .def("observe_plain", &draft_policy::observe_plain, "t_ms"_a)
         .def("observe_draft", &draft_policy::observe_draft, "n"_a, "accepted"_a, "t_draft_ms"_a, "t_verify_ms"_a)
         .def("expected_tokens", &draft_policy::expected_tokens, "n"_a)

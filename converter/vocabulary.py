@@ -24,14 +24,19 @@ _NORMAL, _USER_DEFINED, _BYTE = 1, 4, 6
 _EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
+def eog_tokens(tokenizer: dict, n_vocab: int) -> set[int]:
+    """The end-of-generation token ids among `tokenizer.*` keys (a GGUF's, or TargetInfo's fields)."""
+    return {int(tokenizer[key]) for key in _EOG_KEYS
+            if isinstance(tokenizer.get(key), int) and 0 <= tokenizer[key] < n_vocab}
+
+
 def choose_tokens(target: TargetInfo, k: int) -> np.ndarray:
     """The K target token ids the draft's head keeps, ascending (int64)."""
     if not 0 < k < target.vocab:
         raise ConversionError(f"--draft-vocab {k}: expected 1 to {target.vocab - 1} (the target {target.path} "
                               f"has {target.vocab} tokens; 0 keeps the whole vocabulary)")
     fields = {f.key: f.value for f in target.tokenizer_fields()}
-    eog = {int(fields[key]) for key in _EOG_KEYS if isinstance(fields.get(key), int)
-           and 0 <= fields[key] < target.vocab}
+    eog = eog_tokens(fields, target.vocab)
     if k <= len(eog):
         raise ConversionError(f"--draft-vocab {k}: the target has {len(eog)} end-of-generation tokens, "
                               "which the draft keeps; ask for more")

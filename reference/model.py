@@ -210,17 +210,17 @@ class DFlashDraft(nn.Module):
         head None: those rows of the target's head, taken when it is attached (a checkpoint's d2t)."""
         cfg = self.config
         d2t = torch.as_tensor(d2t, dtype=torch.long)
-        if head is None and d2t.dim() == 1:
-            head = (self.lm_head[d2t] if self.lm_head is not None and self.d2t is None
-                    else torch.zeros(d2t.shape[0], cfg.n_embd))  # placeholder until attach_target
-            self._head_from_target = True
-        if d2t.dim() != 1 or head.shape != (d2t.shape[0], cfg.n_embd):
+        if d2t.dim() != 1 or (head is not None and head.shape != (d2t.shape[0], cfg.n_embd)):
             raise ValueError(f"a reduced vocabulary needs d2t [K] and a head [K, {cfg.n_embd}], "
-                             f"got {tuple(d2t.shape)} and {tuple(head.shape)}")
+                             f"got {tuple(d2t.shape)} and {None if head is None else tuple(head.shape)}")
         if d2t.numel() and (int(d2t.min()) < 0 or int(d2t.max()) >= cfg.n_vocab
                             or d2t.unique().numel() != d2t.numel()):
             raise ValueError(f"d2t must hold distinct token ids below the vocabulary size {cfg.n_vocab}")
-        self.d2t, self.lm_head = d2t, head.to(self.fc.weight.dtype)
+        self._head_from_target = head is None
+        if head is None and self.lm_head is not None and self.d2t is None:
+            head = self.lm_head[d2t]  # the target's head is attached already
+        self.d2t = d2t
+        self.lm_head = None if head is None else head.to(self.fc.weight.dtype)
 
     def attach_target(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
         """Use the target's token embeddings and output head ([vocab, hidden] each); a draft with a

@@ -193,6 +193,12 @@ void draft_policy::observe_shadow(int32_t n, int32_t matched, bool settled, doub
     end_probe();
 }
 
+void draft_policy::drop_shadow() {
+    if (probing_ && shadow_) {
+        end_probe();
+    }
+}
+
 // Position j of n was tried when every position before it was accepted; `accepted` were.
 void draft_policy::count(int32_t n, int32_t accepted, bool settled) {
     for (int32_t j = 1; j <= std::min(accepted + (settled ? 1 : 0), n); ++j) {

@@ -71,6 +71,8 @@ public:
     // A shadow probe of n proposals: its first `matched` equal the tokens produced after it; settled:
     // proposal matched + 1 was seen to differ (or all n matched), else the sequence ended first.
     void observe_shadow(int32_t n, int32_t matched, bool settled, double t_draft_ms);
+    // The shadow probe asked for could not be drafted (no room left): it ends with nothing observed.
+    void drop_shadow();
 
     double expected_tokens(int32_t n) const;
     double expected_ms(int32_t n) const;  // 0 while the cost of n cannot be estimated yet

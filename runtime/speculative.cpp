@@ -442,8 +442,8 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
             }
             if (const int32_t n_shadow = policy.take_shadow(); n_shadow > 0 && !loop.stopped) {
                 loop.shadow_step(n_shadow);
-                if (!loop.shadow) {  // no room left for one: the probe ends unanswered
-                    policy.observe_shadow(1, 0, false, 0.0);
+                if (!loop.shadow) {  // no room left for one: the probe ends with nothing learned
+                    policy.drop_shadow();
                 }
             }
         } else {

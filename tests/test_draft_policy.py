@@ -178,3 +178,13 @@ def test_shadow_and_cost_values_are_checked():
     p.choose()
     with pytest.raises(ValueError, match="draft_policy: a shadow probe of 3 proposals, 4 matched"):
         p.observe_shadow(3, 4, True, 5.0)
+
+
+def test_a_shadow_probe_with_no_room_ends_without_a_cost_sample():
+    p = _core.DraftPolicy(3, shadow=True, verify_ms=[0.0, 10.0, 30.0, 50.0, 70.0], draft_ms=[0.0, 5.0, 5.0, 5.0])
+    assert p.choose() == 0
+    p.observe_plain(10.0)
+    assert p.take_shadow() == 3
+    p.drop_shadow()  # the sequence had no room for it
+    assert p.expected_ms(1) == 5.0 + 30.0  # the draft's measured cost, not pulled towards 0
+    assert [p.choose() for _ in range(3)] == [0, 0, 0] and p.summary.probes == 1  # plain, counting down again

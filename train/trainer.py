@@ -276,11 +276,11 @@ def draft_vocabulary(sequences, k: int, target_gguf) -> torch.Tensor:
     """`d2t` of a reduced draft vocabulary: the target's end-of-generation tokens (so the draft can
     propose the stop), then the k most frequent response tokens, ascending."""
     from dflash_llama import gguf_info
+    from dflash_llama.converter.vocabulary import eog_tokens
 
     meta = gguf_info(target_gguf).metadata
     n_vocab = len(meta.get("tokenizer.ggml.tokens", ()))
-    eog = {int(meta[key]) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-           if isinstance(meta.get(key), int) and 0 <= meta[key] < n_vocab}
+    eog = eog_tokens(meta, n_vocab)
     if not len(eog) < k < n_vocab:
         raise ValueError(f"--draft-vocab {k}: expected {len(eog) + 1} to {n_vocab - 1} (the target has {n_vocab} "
                          f"tokens, {len(eog)} of them end-of-generation tokens the draft keeps)")
