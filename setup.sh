@@ -32,6 +32,19 @@ step "PyTorch (${TORCH_SPEC:-torch==2.13.0}) and build tools"
 "${pip[@]}" install "${TORCH_SPEC:-torch==2.13.0}"
 "${pip[@]}" install "scikit-build-core>=0.10" "nanobind>=2.4" ninja "cmake>=3.21"
 
+if [ "${GGML_CUDA:-OFF}" = ON ]; then
+    step "CUDA build: cuBLAS"
+    command -v nvcc >/dev/null || { echo "setup.sh: GGML_CUDA=ON needs nvcc on the PATH" >&2; exit 2; }
+    cuda_major=$(nvcc --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
+    cuda_root=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+    if compgen -G "$cuda_root/lib64/libcublas.so*" >/dev/null || compgen -G "$cuda_root/targets/*/lib/libcublas.so*" >/dev/null; then
+        echo "  the toolkit's own ($cuda_root)"
+    else  # a toolkit from PyPI: cuBLAS is a wheel of its own (cmake/cuda.cmake finds it in .venv)
+        echo "  the toolkit at $cuda_root has none: nvidia-cublas==$cuda_major.* from PyPI"
+        "${pip[@]}" install "nvidia-cublas==$cuda_major.*"
+    fi
+fi
+
 step "pinned llama.cpp"
 .venv/bin/python third_party/fetch_llama_cpp.py
 

@@ -127,6 +127,8 @@ def command_line(args: argparse.Namespace, target: str, draft_arg: str | None, o
     if args.full_bench:
         parts += ["--block-sizes", ",".join(map(str, args.block_sizes)), "--draft-max", str(args.draft_max)]
     parts += ["-t", str(args.threads), "-c", str(args.ctx_size)]
+    if args.n_gpu_layers:
+        parts += ["-ngl", str(args.n_gpu_layers)]
     if args.full_bench:
         parts += ["--ngram-types", args.ngram_types, "--native" if args.native else "--no-native"]
     parts += ["--pilot-prompts", str(args.pilot_prompts), "--calibration-tokens", str(args.calibration_tokens)]
@@ -192,7 +194,7 @@ def run(args: argparse.Namespace) -> tuple[dict, Path]:
                         block_sizes=args.block_sizes, draft_max=args.draft_max, threads=args.threads,
                         n_ctx=args.ctx_size, ngram_types=ngram, native=args.native, server=args.server,
                         server_concurrency=args.server_concurrency, server_prompts=args.server_prompts,
-                        calibration_tokens=args.calibration_tokens,
+                        calibration_tokens=args.calibration_tokens, n_gpu_layers=args.n_gpu_layers,
                         deadline=started + 60.0 * args.budget_min if args.budget_min > 0 else None)
 
     bar = tqdm(total=0, unit="run", desc="bench", dynamic_ncols=True, file=sys.stderr)

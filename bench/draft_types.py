@@ -5,8 +5,9 @@
 
 Converts the draft (a Hugging Face checkpoint folder; default: the shipped SmolLM2 draft) once per
 type and reduced vocabulary with our converter (cached), then on each prompt decodes plainly and
-with DFlash at N = 1 and N = B - 1 drafted tokens, checks both DFlash outputs against the plain one
-token for token, and prints per type, vocabulary and N the median draft time per step (block
+with DFlash at N = 1 drafted token in a block of 2 positions (as the adaptive loop drafts it) and in
+the draft's whole block (as a fixed --draft-max 1 does), and at N = B - 1, checks every DFlash output
+against the plain one token for token, and prints per type, vocabulary and N the median draft time per step (block
 forward and feature injection), the median verify time per step and the plain decode time they
 compare with. Ratios only: every number of a row comes from the same prompts in the same run.
 """
@@ -29,22 +30,30 @@ class Inexact(RuntimeError):
     """A DFlash output that is not the plain greedy one (exit 3, as the CLIs)."""
 
 
-def measure(rt: Runtime, texts: list[str], n_predict: int, n_drafts: tuple[int, ...]) -> dict[int, dict]:
-    """Per N: median draft ms and verify ms per step, median plain ms per token, mean tau."""
-    rows: dict[int, list[tuple[float, float, float, float]]] = {n: [] for n in n_drafts}
+def shapes(block_size: int) -> list[tuple[int, int]]:
+    """(N, block) pairs measured: N = 1 in a block of 2 positions, as the adaptive loop drafts it
+    (its block holds only the positions it verifies), and in the draft's whole block, as a fixed
+    draft_max drafts it; N = B - 1 in the whole block."""
+    return list(dict.fromkeys([(1, 2), (1, block_size), (block_size - 1, block_size)]))
+
+
+def measure(rt: Runtime, texts: list[str], n_predict: int,
+            n_drafts: list[tuple[int, int]]) -> dict[tuple[int, int], dict]:
+    """Per (N, block): median draft ms and verify ms per step, median plain ms per token, mean tau."""
+    rows: dict[tuple[int, int], list[tuple[float, float, float, float]]] = {nb: [] for nb in n_drafts}
     for text in texts:
         plain = rt.autoregressive(text, n_predict)
         plain_ms = 1000.0 / plain.stats.tokens_per_second  # decode only, prefill excluded, as everywhere
-        for n in n_drafts:
-            g = rt.generate(text, n_predict, draft_max=n)
+        for n, block in n_drafts:
+            g = rt.generate(text, n_predict, draft_max=n, block_size=block)
             if g.tokens != plain.tokens:
-                raise Inexact(f"DFlash at N={n} differs from plain decoding at token "
+                raise Inexact(f"DFlash at N={n} (block {block}) differs from plain decoding at token "
                               f"{first_mismatch(plain.tokens, g.tokens)} on {text[:40]!r}")
             steps = max(1, len(g.steps))
-            rows[n].append((g.stats.t_draft_ms / steps, g.stats.t_verify_ms / steps, plain_ms, g.tau))
-    return {n: {"draft_ms": statistics.median(r[0] for r in rs), "verify_ms": statistics.median(r[1] for r in rs),
-                "plain_ms": statistics.median(r[2] for r in rs), "tau": statistics.mean(r[3] for r in rs)}
-            for n, rs in rows.items()}
+            rows[n, block].append((g.stats.t_draft_ms / steps, g.stats.t_verify_ms / steps, plain_ms, g.tau))
+    return {nb: {"draft_ms": statistics.median(r[0] for r in rs), "verify_ms": statistics.median(r[1] for r in rs),
+                 "plain_ms": statistics.median(r[2] for r in rs), "tau": statistics.mean(r[3] for r in rs)}
+            for nb, rs in rows.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,16 +95,16 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, types: list[str], vocabs: list[int]) -> int:
     target = args.target or fixtures.smollm2_gguf()
     texts = [q.text for q in prompts.spread(prompts.humaneval(), args.limit)]
-    print("| draft type | draft vocabulary | N | draft ms | draft / plain decode | verify ms | plain decode ms "
+    print("| draft type | draft vocabulary | N | block | draft ms | draft / plain decode | verify ms | plain decode ms "
           "| tau | exact |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for outtype in types:
         for vocab in vocabs:
             draft = resolve_draft(args.draft or DEFAULT_DRAFT, target, outtype, draft_vocab=vocab)
             rt = Runtime(target, draft, n_threads=args.threads)
-            for n, m in measure(rt, texts, args.n_predict, (1, rt.block_size - 1)).items():
+            for (n, block), m in measure(rt, texts, args.n_predict, shapes(rt.block_size)).items():
                 share = m["draft_ms"] / m["plain_ms"]
-                print(f"| {outtype} | {vocab or 'all'} | {n} | {m['draft_ms']:.1f} | {share:.2f} | "
+                print(f"| {outtype} | {vocab or 'all'} | {n} | {block} | {m['draft_ms']:.1f} | {share:.2f} | "
                       f"{m['verify_ms']:.1f} | {m['plain_ms']:.1f} | {m['tau']:.2f} | {len(texts)}/{len(texts)} |",
                       flush=True)
     return 0

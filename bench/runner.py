@@ -94,6 +94,7 @@ class Settings:
     server_concurrency: list[int] = field(default_factory=lambda: [1, 2, 4])
     server_prompts: int = 8  # benchmark prompts sent at each concurrency level
     calibration_tokens: int = 32
+    n_gpu_layers: int = 0  # target layers on the GPU, ours and the peers' alike (-1: all)
     deadline: float | None = None  # time.monotonic() by which the run must be done (None: no budget)
 
 
@@ -184,7 +185,7 @@ class Bench:
         self.retotal: Callable[[int], None] = lambda extra: None  # the plan changed by `extra` runs
         from dflash_llama import Runtime
 
-        self.rt = Runtime(s.target, s.draft, n_threads=s.threads, n_ctx=s.n_ctx)
+        self.rt = Runtime(s.target, s.draft, n_threads=s.threads, n_ctx=s.n_ctx, n_gpu_layers=s.n_gpu_layers)
         self.block_size = self.rt.block_size
         self.tokens = {p.id: self.rt.tokenize(p.text) for p in s.prompts + s.pilot}
         too_long = [(pid, len(t)) for pid, t in self.tokens.items()
@@ -255,17 +256,19 @@ class Bench:
             row = _runtime_row(m, g)
             row["_tokens"], row["_text"] = g.tokens, g.text
         elif m.key == "llama-completion":
-            r = peers.completion(s.target, p.text, s.n_predict, threads=s.threads, n_ctx=s.n_ctx)
+            r = peers.completion(s.target, p.text, s.n_predict, threads=s.threads, n_ctx=s.n_ctx,
+                                 n_gpu_layers=s.n_gpu_layers)
             row = _peer_row(m, r)
             row["_text"], row["_stopped"] = r.text, r.stopped
         elif m.key == "llama-spec-ar":
-            r = peers.speculative_plain(s.target, p.text, s.n_predict, threads=s.threads, n_ctx=s.n_ctx)
+            r = peers.speculative_plain(s.target, p.text, s.n_predict, threads=s.threads, n_ctx=s.n_ctx,
+                                        n_gpu_layers=s.n_gpu_layers)
             row = _peer_row(m, r)
             row["_text"], row["_stopped"] = r.text, r.stopped
         else:
             r = peers.speculative(s.target, p.text, s.n_predict, m.spec_type, threads=s.threads, n_ctx=s.n_ctx,
                                   draft=s.draft if m.kind == "dflash" else None,
-                                  n_max=m.n_draft if m.kind == "dflash" else None)
+                                  n_max=m.n_draft if m.kind == "dflash" else None, n_gpu_layers=s.n_gpu_layers)
             row = _peer_row(m, r)
             row["_text"], row["_stopped"] = r.text, r.stopped
         return row
@@ -336,7 +339,8 @@ class Bench:
         prompts = [(p.id, p.text) for p in spread(done, s.server_prompts)]
         levels = []
         with server.LlamaServer(s.target, s.draft, threads=s.threads, n_ctx=s.n_ctx,
-                                n_parallel=max(s.server_concurrency), n_max=n_max) as srv:
+                                n_parallel=max(s.server_concurrency), n_max=n_max,
+                                n_gpu_layers=s.n_gpu_layers) as srv:
             command = srv.cmd
             for c in s.server_concurrency:
                 res = server.load_test(srv.url, prompts, s.n_predict, c,

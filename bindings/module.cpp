@@ -70,6 +70,8 @@ void bind_functions(nb::module_ & m) {
     nb::register_exception_translator(&translate_errors);
     m.def("llama_cpp_commit", []() { return std::string(DFLASH_LLAMA_CPP_COMMIT); },
           "The llama.cpp commit this module was built from.");
+    m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); },
+          "Whether this build has a GPU backend with a device (n_gpu_layers / -ngl can offload).");
     m.def("gguf_info", &gguf_info_dict, "path"_a,
           "Read a GGUF header. Raises ValueError for a missing, foreign or truncated file.");
 }

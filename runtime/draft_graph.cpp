@@ -49,8 +49,23 @@ struct draft_runner::graph_ctx {
     }
 };
 
+// The device holding the target's output head (its embeddings where the head is tied): a GPU when
+// the target is offloaded whole (-ngl past its last layer), else the CPU (nullptr).
+ggml_backend_dev_t draft_device(const llama_model * target) {
+    const ggml_tensor * head = target->output ? target->output : target->tok_embd;
+    if (head == nullptr || head->buffer == nullptr || ggml_backend_buffer_is_host(head->buffer)) {
+        return nullptr;
+    }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(head->buffer));
+    if (dev == nullptr) {
+        return nullptr;
+    }
+    const enum ggml_backend_dev_type type = ggml_backend_dev_type(dev);
+    return type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU ? dev : nullptr;
+}
+
 draft_runner::draft_runner(const draft_model & draft, const llama_model * target, int32_t n_ctx, int32_t n_threads,
-                           bool compact_head)
+                           bool compact_head, ggml_backend_dev_t device)
     : draft_(draft), n_ctx_(n_ctx) {
     tok_embd_ = target->tok_embd;
     output_   = draft.reduced_vocab() ? draft.output : target->output ? target->output : target->tok_embd;
@@ -66,8 +81,17 @@ draft_runner::draft_runner(const draft_model & draft, const llama_model * target
         throw std::runtime_error("cannot initialise the ggml CPU backend");
     }
     ggml_backend_cpu_set_n_threads(backend_cpu_, n_threads);
-    ggml_backend_t backends[] = { backend_cpu_ };
-    sched_ = ggml_backend_sched_new(backends, nullptr, 1, kMaxGraphNodes, false, false);
+    backend_ = backend_cpu_;
+    if (device != nullptr) {  // a GPU: ops on host tensors (the target's embeddings) stay on the CPU
+        backend_ = ggml_backend_dev_init(device, nullptr);
+        if (backend_ == nullptr) {
+            throw std::runtime_error(std::string("cannot initialise the draft's device ") + ggml_backend_dev_name(device));
+        }
+    }
+    ggml_backend_t backends[] = { backend_, backend_cpu_ };
+    const int n_backends = backend_ == backend_cpu_ ? 1 : 2;
+    sched_ = ggml_backend_sched_new(backend_ == backend_cpu_ ? backends + 1 : backends, nullptr, n_backends,
+                                    kMaxGraphNodes, false, false);
 
     // the draft KV cache: projected context only, f32 so parity with the reference stays tight
     const draft_hparams & hp = draft_.hparams;
@@ -75,26 +99,28 @@ draft_runner::draft_runner(const draft_model & draft, const llama_model * target
     kv_ctx_ = ggml_init(kv_params);
     for (int32_t il = 0; il < hp.n_layer; ++il) {
         cache_k_.push_back(ggml_new_tensor_3d(kv_ctx_, GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, n_ctx));
-        cache_v_.push_back(ggml_new_tensor_3d(kv_ctx_, GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, n_ctx));
+        cache_v_.push_back(ggml_new_tensor_3d(kv_ctx_, GGML_TYPE_F32, n_ctx, hp.head_dim, hp.n_head_kv));
         ggml_format_name(cache_k_.back(), "draft_cache_k-%d", il);
         ggml_format_name(cache_v_.back(), "draft_cache_v-%d", il);
     }
-    kv_buf_ = ggml_backend_alloc_ctx_tensors(kv_ctx_, backend_cpu_);
+    kv_buf_ = ggml_backend_alloc_ctx_tensors(kv_ctx_, backend_);
     if (kv_buf_ == nullptr) {
         throw std::runtime_error("cannot allocate the draft KV cache");
     }
     ggml_backend_buffer_clear(kv_buf_, 0);
 
     graph_meta_.resize(ggml_tensor_overhead() * kMaxGraphNodes + ggml_graph_overhead_custom(kMaxGraphNodes, false));
-    copy_to_host();
-    if (compact_head) {
-        make_compact_head();
+    if (backend_ == backend_cpu_) {
+        copy_to_host();
+        if (compact_head) {
+            make_compact_head();
+        }
     }
 }
 
-// The draft graph runs on the CPU backend. A target offloaded with -ngl keeps its output head (and
-// on some backends its embeddings) in device memory, which the CPU cannot read: such tensors are
-// copied to a host buffer once, at load.
+// A draft graph on the CPU backend cannot read a target's tensors in device memory (a target
+// offloaded in part keeps its output head there, some backends its embeddings too): such tensors
+// are copied to a host buffer once, at load.
 void draft_runner::copy_to_host() {
     auto on_device = [](const ggml_tensor * t) { return t->buffer != nullptr && !ggml_backend_buffer_is_host(t->buffer); };
     std::vector<ggml_tensor **> moved;
@@ -173,6 +199,7 @@ draft_runner::~draft_runner() {
     if (head_ctx_)    ggml_free(head_ctx_);
     if (host_buf_)    ggml_backend_buffer_free(host_buf_);
     if (host_ctx_)    ggml_free(host_ctx_);
+    if (backend_ && backend_ != backend_cpu_) ggml_backend_free(backend_);
     if (backend_cpu_) ggml_backend_free(backend_cpu_);
 }
 
@@ -235,6 +262,19 @@ void draft_runner::compute(graph_ctx & g, draft_trace * trace) {
     }
 }
 
+// Writes n positions of K and V ([head_dim, n_head_kv, n] each) into the cache from position pos0,
+// before whatever the graph adds next reads them (nodes run in the order they are added). V is
+// cached transposed ([n_ctx, head_dim, n_head_kv]) so that attention reads it as a view.
+void draft_runner::store_kv(graph_ctx & g, int32_t il, ggml_tensor * k, ggml_tensor * v, int32_t pos0, int32_t n) {
+    const draft_hparams & hp = draft_.hparams;
+    ggml_tensor * ck = cache_k_[il];
+    ggml_tensor * cv = cache_v_[il];
+    ggml_tensor * k_dst = ggml_view_3d(g.ctx, ck, hp.head_dim, hp.n_head_kv, n, ck->nb[1], ck->nb[2], (size_t) pos0 * ck->nb[2]);
+    ggml_tensor * v_dst = ggml_view_3d(g.ctx, cv, n, hp.head_dim, hp.n_head_kv, cv->nb[1], cv->nb[2], (size_t) pos0 * cv->nb[0]);
+    ggml_build_forward_expand(g.gf, ggml_cpy(g.ctx, k, k_dst));
+    ggml_build_forward_expand(g.gf, ggml_cpy(g.ctx, ggml_permute(g.ctx, v, 1, 2, 0, 3), v_dst));
+}
+
 void draft_runner::inject(const float * features, int32_t n, int32_t pos0, draft_trace * trace) {
     const draft_hparams & hp = draft_.hparams;
     if (pos0 != n_cached_) {
@@ -269,12 +309,7 @@ void draft_runner::inject(const float * features, int32_t n, int32_t pos0, draft
         k = g.name(rope(g.ctx, rms_norm(g.ctx, k, l.attn_k_norm), pos), "Kcur_injected", il);
         v = g.name(v, "Vcur_injected", il);
 
-        ggml_tensor * k_dst = ggml_view_3d(g.ctx, cache_k_[il], hp.head_dim, hp.n_head_kv, n,
-                                           cache_k_[il]->nb[1], cache_k_[il]->nb[2], (size_t) pos0 * cache_k_[il]->nb[2]);
-        ggml_tensor * v_dst = ggml_view_3d(g.ctx, cache_v_[il], hp.head_dim, hp.n_head_kv, n,
-                                           cache_v_[il]->nb[1], cache_v_[il]->nb[2], (size_t) pos0 * cache_v_[il]->nb[2]);
-        ggml_build_forward_expand(g.gf, ggml_cpy(g.ctx, k, k_dst));
-        ggml_build_forward_expand(g.gf, ggml_cpy(g.ctx, v, v_dst));
+        store_kv(g, il, k, v, pos0, n);
     }
     for (ggml_tensor * t : g.named) {
         ggml_build_forward_expand(g.gf, t);
@@ -349,23 +384,18 @@ void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_
         k = g.name(rope(g.ctx, rms_norm(g.ctx, k, l.attn_k_norm), pos), "Kcur", il);
         v = g.name(v, "Vcur", il);
 
-        // keys/values: the cached context [0, start), then the block
-        ggml_tensor * k_all = k;
-        ggml_tensor * v_all = v;
-        if (start > 0) {
-            ggml_tensor * k_ctx = ggml_view_3d(g.ctx, cache_k_[il], hp.head_dim, hp.n_head_kv, start,
-                                               cache_k_[il]->nb[1], cache_k_[il]->nb[2], 0);
-            ggml_tensor * v_ctx = ggml_view_3d(g.ctx, cache_v_[il], hp.head_dim, hp.n_head_kv, start,
-                                               cache_v_[il]->nb[1], cache_v_[il]->nb[2], 0);
-            k_all = ggml_concat(g.ctx, k_ctx, k, 2);
-            v_all = ggml_concat(g.ctx, v_ctx, v, 2);
-        }
+        // keys/values: the cached context [0, start), then the block, written after it into cache
+        // positions the next injection overwrites (a view instead of a concatenated copy)
+        store_kv(g, il, k, v, start, n_block);
+        ggml_tensor * ck = cache_k_[il];
+        ggml_tensor * cv = cache_v_[il];
+        ggml_tensor * k_all = ggml_view_3d(g.ctx, ck, hp.head_dim, hp.n_head_kv, n_kv, ck->nb[1], ck->nb[2], 0);
 
         ggml_tensor * qp = ggml_permute(g.ctx, q, 0, 2, 1, 3);                       // [hd, B, n_head]
         ggml_tensor * kp = ggml_permute(g.ctx, k_all, 0, 2, 1, 3);                   // [hd, n_kv, n_head_kv]
         ggml_tensor * kq = ggml_mul_mat(g.ctx, kp, qp);                              // [n_kv, B, n_head]
         kq = ggml_soft_max_ext(g.ctx, kq, layer_mask(il), kq_scale, 0.0f);
-        ggml_tensor * vp = ggml_cont(g.ctx, ggml_permute(g.ctx, v_all, 1, 2, 0, 3)); // [n_kv, hd, n_head_kv]
+        ggml_tensor * vp = ggml_view_3d(g.ctx, cv, n_kv, hp.head_dim, hp.n_head_kv, cv->nb[1], cv->nb[2], 0); // [n_kv, hd, n_head_kv]
         ggml_tensor * kqv = ggml_mul_mat(g.ctx, vp, kq);                             // [hd, B, n_head]
         ggml_tensor * attn = ggml_cont_2d(g.ctx, ggml_permute(g.ctx, kqv, 0, 2, 1, 3), (int64_t) hp.head_dim * hp.n_head, n_block);
         attn = ggml_mul_mat(g.ctx, l.wo, attn);

@@ -15,7 +15,8 @@
 // A draft with a reduced vocabulary (d2t) multiplies by its own head of n_head_rows() rows: its logits
 // are over those rows, row r standing for target token token_of_row(r). Traced `result_output` is
 // scattered into the target's vocabulary (-inf elsewhere), as llama.cpp's graph does.
-// The block's own K/V are never written to the cache (the published loop crops them away), so
+// The block's own K/V are written to the cache only past the cached context, where attention reads
+// them as one view and the next injection overwrites them (the published loop crops them away), so
 // cropping the cache after a rejection is only `crop(n)`. Token embeddings and the LM head are the
 // target's tensors, used in place. Every intermediate is named as in llama.cpp's `dflash` graph
 // (the vocabulary parity compares, docs/parity.md) and can be read back with a trace.
@@ -41,12 +42,17 @@ struct traced_tensor {
 };
 using draft_trace = std::map<std::string, traced_tensor>;
 
+// The device the draft runs on beside `target`: the GPU holding the target's output head, or
+// nullptr (the CPU). The draft's weights belong in a buffer of that device.
+ggml_backend_dev_t draft_device(const llama_model * target);
+
 class draft_runner {
 public:
     // n_ctx: the most positions the draft cache holds (the target context size). compact_head: a
-    // Q4_0 copy of the target's head for generation, when the target's is larger and in host memory.
+    // Q4_0 copy of the target's head for generation, when the target's is larger and in host memory
+    // (CPU only). device: where the graphs run and the cache lives (nullptr: the CPU backend).
     draft_runner(const draft_model & draft, const llama_model * target, int32_t n_ctx, int32_t n_threads,
-                 bool compact_head = false);
+                 bool compact_head = false, ggml_backend_dev_t device = nullptr);
     ~draft_runner();
     draft_runner(const draft_runner &) = delete;
     draft_runner & operator=(const draft_runner &) = delete;
@@ -77,6 +83,7 @@ private:
     ggml_tensor * rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * gain) const;
     ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const;
     ggml_tensor * attention_mask(graph_ctx & g, int32_t n_kv, int32_t n_block, bool causal, int32_t window);
+    void store_kv(graph_ctx & g, int32_t il, ggml_tensor * k, ggml_tensor * v, int32_t pos0, int32_t n);
     void copy_to_host();
     void scatter_to_vocab(traced_tensor & t) const;
     void make_compact_head();
@@ -92,6 +99,7 @@ private:
     int32_t             n_cached_ = 0;
 
     ggml_backend_t        backend_cpu_ = nullptr;
+    ggml_backend_t        backend_     = nullptr;  // where the graphs run: backend_cpu_ or a GPU's
     ggml_backend_sched_t  sched_       = nullptr;
     ggml_context *        kv_ctx_      = nullptr;
     ggml_backend_buffer_t kv_buf_      = nullptr;
@@ -100,7 +108,7 @@ private:
     ggml_context *        head_ctx_    = nullptr;  // the compact head, if any
     ggml_backend_buffer_t head_buf_    = nullptr;
     std::vector<ggml_tensor *> cache_k_;  // per layer [head_dim, n_head_kv, n_ctx]
-    std::vector<ggml_tensor *> cache_v_;
+    std::vector<ggml_tensor *> cache_v_;  // per layer [n_ctx, head_dim, n_head_kv] (transposed)
     std::vector<uint8_t>  graph_meta_;     // scratch for graph metadata, reused
 };
 

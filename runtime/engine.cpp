@@ -16,7 +16,9 @@ engine::engine(const engine_params & params) {
         return;
     }
     draft_model_ = std::make_unique<draft_model>();
-    load_draft(*draft_model_, params.draft_path, ggml_backend_cpu_buffer_type());
+    ggml_backend_dev_t device = draft_device(target_->model());  // the GPU of an offloaded target, or the CPU
+    load_draft(*draft_model_, params.draft_path,
+               device ? ggml_backend_dev_buffer_type(device) : ggml_backend_cpu_buffer_type());
     check_draft_fits_target(*draft_model_, target_->model());
     if (draft_model_->hparams.block_size > target_->n_ctx()) {
         throw std::invalid_argument("the context (" + std::to_string(target_->n_ctx()) + " tokens) is smaller than one draft block (" +
@@ -27,7 +29,7 @@ engine::engine(const engine_params & params) {
     const int32_t n_threads = params.target.n_threads > 0 ? params.target.n_threads
                                                           : (int32_t) llama_n_threads(target_->context());
     draft_runner_ = std::make_unique<draft_runner>(*draft_model_, target_->model(), target_->n_ctx(), n_threads,
-                                                   params.compact_draft_head);
+                                                   params.compact_draft_head, device);
 }
 
 draft_runner & engine::draft() {

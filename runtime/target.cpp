@@ -67,6 +67,14 @@ target_runner::target_runner(const target_params & params) {
         throw std::invalid_argument("n_ctx * n_seq must be at most " + std::to_string(INT32_MAX) + ", got " +
                                     std::to_string((int64_t) params.n_ctx * params.n_seq));
     }
+    if (params.n_gpu_layers < -1) {
+        throw std::invalid_argument("n_gpu_layers must be at least -1 (-1: all layers), got " +
+                                    std::to_string(params.n_gpu_layers));
+    }
+    if (params.n_gpu_layers != 0 && !llama_supports_gpu_offload()) {
+        throw std::invalid_argument("n_gpu_layers " + std::to_string(params.n_gpu_layers) +
+                                    ": this build has no GPU backend (build with GGML_CUDA=ON ./setup.sh)");
+    }
     check_target_gguf(params.path);  // llama.cpp asserts on some bad values: refuse them here first
     clear_last_error();
 

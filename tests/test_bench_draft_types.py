@@ -34,8 +34,9 @@ def test_missing_target_is_one_line(tmp_path, capsys):
 def test_measure_checks_every_output_and_reports_each_n(tiny_target_gguf, tiny_draft_gguf):
     rt = Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=1)
     texts = ["def f(x):", "Once upon a time"]
-    m = draft_types.measure(rt, texts, 12, (1, 3))
-    assert sorted(m) == [1, 3]
+    assert draft_types.shapes(rt.block_size) == [(1, 2), (1, rt.block_size), (rt.block_size - 1, rt.block_size)]
+    m = draft_types.measure(rt, texts, 12, [(1, 2), (1, 4), (3, 4)])
+    assert sorted(m) == [(1, 2), (1, 4), (3, 4)]
     for row in m.values():
         assert row["draft_ms"] > 0 and row["verify_ms"] > 0 and row["plain_ms"] > 0
         assert 1.0 <= row["tau"] <= 4.0

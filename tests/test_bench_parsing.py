@@ -144,3 +144,21 @@ def test_humaneval_and_spread():
     assert prompts.spread(he, None) == he
     with pytest.raises(ValueError, match="--limit must be at least 1"):
         prompts.spread(he, 0)
+
+
+def test_peers_get_gpu_layers_only_from_a_gpu_build(monkeypatch):
+    """A GPU build's llama.cpp tools offload every layer unless told (-ngl auto): the bench hands them
+    the runtime's -ngl; a CPU build's get no flag, and -ngl N there is an error."""
+    import dflash_llama
+
+    monkeypatch.setattr(peers.paths, "tool", lambda name: f"/bin/{name}")
+    monkeypatch.setattr(dflash_llama, "supports_gpu_offload", lambda: False)
+    assert "-ngl" not in peers.speculative_command("t.gguf", "p", 8, "draft-dflash", draft="d.gguf", threads=1, n_ctx=64)
+    with pytest.raises(ValueError, match=r"^-ngl 3: this build has no GPU backend \(build with GGML_CUDA=ON ./setup.sh\)$"):
+        peers.gpu_flags(3)
+    monkeypatch.setattr(dflash_llama, "supports_gpu_offload", lambda: True)
+    spec = peers.speculative_command("t.gguf", "p", 8, "draft-dflash", draft="d.gguf", threads=1, n_ctx=64,
+                                     n_gpu_layers=-1)
+    assert spec[spec.index("-ngl"):spec.index("-ngl") + 4] == ["-ngl", "all", "-ngld", "all"]
+    srv = peers.server_command("t.gguf", port=1, threads=1, n_ctx=64, n_gpu_layers=0)
+    assert srv[srv.index("-ngl") + 1] == "0" and "-ngld" not in srv

@@ -379,3 +379,38 @@ def test_gguf_info_invalid_utf8_in_a_tensor_name_names_the_file(tiny_draft_gguf,
     message = f"{bad}: tensor 'output_norm.\ufffd\ufffd\ufffdght': the name is not valid UTF-8 (a corrupt header)"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         dflash_llama.gguf_info(bad)
+
+
+# --- GPU offload -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ngl", [1, -1, -2])
+def test_gpu_layers_that_this_build_cannot_offload_are_refused(ngl, tiny_target_gguf, tiny_draft_gguf):
+    """-ngl on a CPU build, or below -1, is a one-line error (llama.cpp's tools only warn and go on
+    on the CPU), from Runtime, llama-dflash-cli, run and generate alike; a GPU build takes -ngl 1 and -1."""
+    if ngl >= -1 and dflash_llama.supports_gpu_offload():
+        rt = dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=1, n_ctx=64, n_gpu_layers=ngl)
+        assert rt.generate("hi", 4).tokens == rt.autoregressive("hi", 4).tokens
+        return
+    message = (f"n_gpu_layers {ngl}: this build has no GPU backend (build with GGML_CUDA=ON ./setup.sh)" if ngl >= -1
+               else f"n_gpu_layers must be at least -1 (-1: all layers), got {ngl}")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=1, n_ctx=64, n_gpu_layers=ngl)
+    res = subprocess.run([str(paths.tool("llama-dflash-cli")), "-m", str(tiny_target_gguf), "-md",
+                          str(tiny_draft_gguf), "-ngl", str(ngl), "-p", "hi", "-n", "2", "-t", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert (res.returncode, res.stdout, res.stderr) == (2, "", f"llama-dflash-cli: error: {message}\n")
+    cli = [sys.executable, "-m", "dflash_llama.cli"]
+    for sub in (["generate", "-m", str(tiny_target_gguf), "-md", str(tiny_draft_gguf)],
+                ["run", "-m", str(tiny_target_gguf), "-md", str(tiny_draft_gguf)]):
+        res = subprocess.run([*cli, *sub, "-ngl", str(ngl), "-p", "hi", "-n", "2", "-t", "1"],
+                             capture_output=True, text=True, timeout=300)
+        assert (res.returncode, res.stdout, res.stderr) == (2, "", f"dflash-llama {sub[0]}: error: {message}\n")
+
+
+def test_the_reference_engine_refuses_gpu_layers(tiny_target_gguf, tiny_draft_hf):
+    res = subprocess.run([sys.executable, "-m", "dflash_llama.cli", "generate", "--engine", "reference", "-m",
+                          str(tiny_target_gguf), "-md", str(tiny_draft_hf), "-ngl", "1", "-p", "hi", "-n", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr == ("dflash-llama generate: error: -ngl 1: the reference engine runs on the CPU; "
+                          "-ngl is for --engine runtime\n")

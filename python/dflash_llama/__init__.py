@@ -26,5 +26,12 @@ def llama_cpp_commit() -> str:
     return _core.llama_cpp_commit()
 
 
+def supports_gpu_offload() -> bool:
+    """Whether this build has a GPU backend with a device, so that `n_gpu_layers` / `-ngl` offload."""
+    from . import _core
+
+    return _core.supports_gpu_offload()
+
+
 __all__ = ["GGUFInfo", "Generation", "Runtime", "Step", "Stream", "TensorInfo", "gguf_info",
-           "llama_cpp_commit", "__version__"]
+           "llama_cpp_commit", "supports_gpu_offload", "__version__"]

@@ -56,6 +56,9 @@ def add_generation_args(p: argparse.ArgumentParser, *, prompt: str | None = None
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=THREADS, help="CPU threads (default 0: all)")
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int, default=0, metavar="N",
+                   help="target layers on the GPU (default 0; -1: all; a GPU build only); the draft runs "
+                        "on the GPU when the target's output layer does")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

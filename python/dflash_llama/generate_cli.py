@@ -50,6 +50,7 @@ class GenerateRequest:
     draft_max: int | str = "auto"  # runtime: verify at most this many drafted tokens, or "auto"
     threads: int = THREADS  # runtime: CPU threads, 0 = all
     n_ctx: int = CTX_SIZE  # runtime: context size
+    n_gpu_layers: int = 0  # runtime: target layers on the GPU (-1: all)
     kv_f32: bool = False  # runtime: f32 KV cache, no flash attention (for comparisons with the reference)
 
 
@@ -89,6 +90,8 @@ def _run_reference(req: GenerateRequest) -> dict:
     from .runtime import utf8_text
 
     sampling = Sampling(req.temperature, req.top_p, req.top_k, req.seed)  # checks them, before any loading
+    if req.n_gpu_layers:
+        raise ValueError(f"-ngl {req.n_gpu_layers}: the reference engine runs on the CPU; -ngl is for --engine runtime")
     prompt_text = None if req.prompt_text is None else utf8_text(req.prompt_text)
     torch.manual_seed(req.seed)
     hf_logging.disable_progress_bar()
@@ -122,7 +125,7 @@ def _run_runtime(req: GenerateRequest) -> dict:
     draft = None if req.draft is None else resolve_draft(req.draft, req.target, outtype="f32")
     # --kv-f32 compares with the reference: the draft proposes through the target's own head, as it does
     rt = Runtime(req.target, draft, n_threads=req.threads, n_ctx=req.n_ctx, kv_f32=req.kv_f32,
-                 compact_draft_head=not req.kv_f32)
+                 compact_draft_head=not req.kv_f32, n_gpu_layers=req.n_gpu_layers)
     prompt_ids = req.prompt_ids if req.prompt_ids is not None else rt.tokenize(req.prompt_text)
     kw = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
               stop_at_eog=not req.ignore_eos)
@@ -163,6 +166,7 @@ def main(args: argparse.Namespace) -> int:
         draft_max=args.draft_max,
         threads=args.threads,
         n_ctx=args.ctx_size,
+        n_gpu_layers=args.n_gpu_layers,
         kv_f32=args.kv_f32,
     )
     t0 = time.perf_counter()

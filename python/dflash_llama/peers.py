@@ -142,16 +142,32 @@ def _checked(cmd: Sequence[str], timeout_s: float) -> ToolRun:
     return run
 
 
+def gpu_flags(n_gpu_layers: int, *, draft: bool = False) -> list[str]:
+    """`-ngl N` (and `-ngld` for a draft) as our runtime offloads: N target layers (-1: all). Given
+    only to a GPU build (whose tools would otherwise offload everything by default); a CPU build
+    gets none, and ValueError for N != 0."""
+    from dflash_llama import supports_gpu_offload
+
+    if not supports_gpu_offload():
+        if n_gpu_layers:
+            raise ValueError(f"-ngl {n_gpu_layers}: this build has no GPU backend (build with GGML_CUDA=ON ./setup.sh)")
+        return []
+    n = "all" if n_gpu_layers < 0 else str(n_gpu_layers)
+    return ["-ngl", n, *(["-ngld", n] if draft else [])]
+
+
 def _decoding_flags(target, prompt: str, n_predict: int, threads: int, n_ctx: int,
-                    flash_attn: str) -> list[str]:
+                    flash_attn: str, n_gpu_layers: int = 0, draft: bool = False) -> list[str]:
     return ["-m", os.fspath(target), "-p", prompt, "--no-escape", "-n", str(n_predict), "-t", str(threads),
-            "-tb", str(threads), "-c", str(n_ctx), "--temp", "0", "--seed", "0", "-fa", flash_attn]
+            "-tb", str(threads), "-c", str(n_ctx), "--temp", "0", "--seed", "0", "-fa", flash_attn,
+            *gpu_flags(n_gpu_layers, draft=draft)]
 
 
 def completion(target, prompt: str, n_predict: int, *, threads: int, n_ctx: int, flash_attn: str = "off",
-               timeout_s: float = 600.0) -> PeerResult:
+               n_gpu_layers: int = 0, timeout_s: float = 600.0) -> PeerResult:
     """Plain greedy decoding with the pinned llama-completion."""
-    cmd = [str(paths.tool("llama-completion")), *_decoding_flags(target, prompt, n_predict, threads, n_ctx, flash_attn),
+    cmd = [str(paths.tool("llama-completion")),
+           *_decoding_flags(target, prompt, n_predict, threads, n_ctx, flash_attn, n_gpu_layers),
            "-no-cnv", "--no-display-prompt"]
     res = parse_completion(*_outputs(_checked(cmd, timeout_s)))
     res.command = cmd
@@ -160,12 +176,13 @@ def completion(target, prompt: str, n_predict: int, *, threads: int, n_ctx: int,
 
 def speculative_command(target, prompt: str, n_predict: int, spec_type: str, *, threads: int, n_ctx: int,
                         draft=None, n_max: int | None = None, flash_attn: str = "off",
-                        extra_args: Sequence[str] = (), exe=None) -> list[str]:
+                        n_gpu_layers: int = 0, extra_args: Sequence[str] = (), exe=None) -> list[str]:
     """The llama-speculative-simple command line (`exe`: another build of the tool, e.g. a patched one)."""
     if spec_type == "draft-dflash" and draft is None:
         raise ValueError("--spec-type draft-dflash needs a draft model")
     cmd = [str(exe or paths.tool("llama-speculative-simple")),
-           *_decoding_flags(target, prompt, n_predict, threads, n_ctx, flash_attn), "--spec-type", spec_type]
+           *_decoding_flags(target, prompt, n_predict, threads, n_ctx, flash_attn, n_gpu_layers, draft is not None),
+           "--spec-type", spec_type]
     if draft is not None:
         cmd += ["-md", os.fspath(draft), "-td", str(threads), "-tbd", str(threads)]
     if n_max is not None:
@@ -174,11 +191,11 @@ def speculative_command(target, prompt: str, n_predict: int, spec_type: str, *, 
 
 
 def speculative(target, prompt: str, n_predict: int, spec_type: str, *, threads: int, n_ctx: int,
-                draft=None, n_max: int | None = None, flash_attn: str = "off", extra_args: Sequence[str] = (),
-                timeout_s: float = 600.0) -> PeerResult:
+                draft=None, n_max: int | None = None, flash_attn: str = "off", n_gpu_layers: int = 0,
+                extra_args: Sequence[str] = (), timeout_s: float = 600.0) -> PeerResult:
     """Greedy speculative decoding with the pinned llama-speculative-simple; PeerError if it fails."""
     cmd = speculative_command(target, prompt, n_predict, spec_type, threads=threads, n_ctx=n_ctx, draft=draft,
-                              n_max=n_max, flash_attn=flash_attn, extra_args=extra_args)
+                              n_max=n_max, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, extra_args=extra_args)
     res = parse_speculative(*_outputs(_checked(cmd, timeout_s)), prompt, n_predict)
     res.command = cmd
     return res
@@ -189,7 +206,7 @@ def speculative(target, prompt: str, n_predict: int, spec_type: str, *, threads:
 NO_DRAFT_ARGS = ("--spec-ngram-simple-size-n", "1024", "--spec-ngram-simple-size-m", "1024")
 
 
-def speculative_plain(target, prompt: str, n_predict: int, *, threads: int, n_ctx: int,
+def speculative_plain(target, prompt: str, n_predict: int, *, threads: int, n_ctx: int, n_gpu_layers: int = 0,
                       timeout_s: float = 600.0) -> PeerResult:
     """Plain greedy decoding *inside* llama-speculative-simple: the reference its speculative runs
     must reproduce. The tool decodes the prompt without its last token, then that token with the
@@ -197,7 +214,7 @@ def speculative_plain(target, prompt: str, n_predict: int, *, threads: int, n_ct
     kernels), so its greedy text may differ from llama-completion's at a near-tie; against this
     reference only the speculation is judged."""
     res = speculative(target, prompt, n_predict, "ngram-simple", threads=threads, n_ctx=n_ctx,
-                      extra_args=NO_DRAFT_ARGS, timeout_s=timeout_s)
+                      n_gpu_layers=n_gpu_layers, extra_args=NO_DRAFT_ARGS, timeout_s=timeout_s)
     if res.n_drafted:
         raise PeerError(f"llama-speculative-simple drafted {res.n_drafted} tokens in its no-draft configuration "
                         "(prompt + -n above 2049 tokens?)")
@@ -206,12 +223,12 @@ def speculative_plain(target, prompt: str, n_predict: int, *, threads: int, n_ct
 
 def server_command(target, *, port: int, threads: int, n_ctx: int, n_parallel: int = 1, draft=None,
                    spec_type: str = "draft-dflash", n_max: int | None = None, flash_attn: str = "off",
-                   extra_args: Sequence[str] = ()) -> list[str]:
+                   n_gpu_layers: int = 0, extra_args: Sequence[str] = ()) -> list[str]:
     """The llama-server command line on 127.0.0.1:`port`; `n_ctx` is per slot (the server splits its
     context between its `n_parallel` slots)."""
     cmd = [str(paths.tool("llama-server")), "-m", os.fspath(target), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx * n_parallel), "-np", str(n_parallel),
-           "--no-webui", "-fa", flash_attn]
+           "--no-webui", "-fa", flash_attn, *gpu_flags(n_gpu_layers, draft=draft is not None)]
     if draft is not None:
         cmd += ["-md", os.fspath(draft), "--spec-type", spec_type, "-td", str(threads), "-tbd", str(threads)]
         if n_max is not None:

@@ -62,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
     if args.draft_vocab < 0:
         raise ConversionError(f"--draft-vocab {args.draft_vocab}: expected 0 (the whole vocabulary) or more")
     draft = resolve_draft(args.draft or DEFAULT_DRAFT, target, args.draft_type, args.draft_vocab)
-    rt = Runtime(target, draft, n_threads=args.threads, n_ctx=args.ctx_size)
+    rt = Runtime(target, draft, n_threads=args.threads, n_ctx=args.ctx_size, n_gpu_layers=args.n_gpu_layers)
 
     stream = rt.generate(args.prompt, args.n_predict, block_size=args.block_size, draft_max=args.draft_max,
                          stream=True)
