@@ -155,14 +155,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import dflash_llama
     from dflash_llama import fixtures, prompts
-    from dflash_llama.cli_args import threads
     from dflash_llama.converter.pair import DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB, DEFAULT_DRAFT, resolve_draft
     from dflash_llama.runtime import Runtime
 
     gpus = devices()
     out = Path(args.out or f"reports/gpu-check-{slug(gpus[0]) if gpus and args.n_gpu_layers else 'cpu'}")
     out.mkdir(parents=True, exist_ok=True)
-    args.threads = threads(args.threads)
     target = fixtures.smollm2_gguf()
     draft = resolve_draft(DEFAULT_DRAFT, target, DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB)
     try:

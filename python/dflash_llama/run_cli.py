@@ -77,8 +77,8 @@ def main(args: argparse.Namespace) -> int:
     s = spec.stats
     print(f"DFlash:          {s.n_generated} tokens, {len(spec.steps)} target verifies, tau {spec.tau:.2f}, "
           f"{s.tokens_per_second:.1f} tok/s", file=sys.stderr)
-    print("acceptance by block position: " + " ".join(f"{a:.2f}" for a in spec.acceptance_by_position),
-          file=sys.stderr)
+    acceptance = " ".join(f"{a:.2f}" for a in spec.acceptance_by_position)
+    print(f"acceptance by block position: {acceptance or 'none (no drafted token was verified)'}", file=sys.stderr)
     if spec.policy is not None:
         print(policy_line(spec.policy), file=sys.stderr)
     if args.no_check:
