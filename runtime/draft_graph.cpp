@@ -88,10 +88,10 @@ draft_runner::draft_runner(const draft_model & draft, const llama_model * target
             throw std::runtime_error(std::string("cannot initialise the draft's device ") + ggml_backend_dev_name(device));
         }
     }
-    ggml_backend_t backends[] = { backend_, backend_cpu_ };
-    const int n_backends = backend_ == backend_cpu_ ? 1 : 2;
-    sched_ = ggml_backend_sched_new(backend_ == backend_cpu_ ? backends + 1 : backends, nullptr, n_backends,
-                                    kMaxGraphNodes, false, false);
+    std::vector<ggml_backend_t> backends;  // the CPU last, as ggml's scheduler requires
+    if (backend_ != backend_cpu_) backends.push_back(backend_);
+    backends.push_back(backend_cpu_);
+    sched_ = ggml_backend_sched_new(backends.data(), nullptr, (int) backends.size(), kMaxGraphNodes, false, false);
 
     // the draft KV cache: projected context only, f32 so parity with the reference stays tight
     const draft_hparams & hp = draft_.hparams;
