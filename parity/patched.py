@@ -12,9 +12,7 @@ seen by the touched files only (enough for the patches shipped here).
 
 from __future__ import annotations
 
-import json
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -22,19 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_llama import toolbuild
+
 ROOT = Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "patches"
-
-
-def build_dir() -> Path:
-    """Our build that compiled the peer tools."""
-    dirs = [p for p in sorted((ROOT / "build").glob("*/compile_commands.json"))
-            if "speculative-simple" in (p.parent / "build.ninja").read_text(errors="replace")] \
-        if (ROOT / "build").exists() else []
-    if not dirs:
-        raise FileNotFoundError("no build with compile_commands.json under build/: build the package first "
-                                "(DFLASH_LLAMA_PEER_TOOLS=ON pip install --no-build-isolation -e .)")
-    return dirs[0].parent
 
 
 def touched_files(patch: Path) -> list[str]:
@@ -47,7 +36,7 @@ def patched_tool(patch, work: str | Path, tool: str = "llama-speculative-simple"
     patches = [Path(p).resolve() for p in (patch if isinstance(patch, (list, tuple)) else [patch])]
     work = Path(work)
     pinned = (ROOT / "third_party" / "llama.cpp").resolve()
-    build = build_dir()
+    build = toolbuild.build_dir()
     copy = work / "llama.cpp"
     files = []
     for patch in patches:
@@ -70,50 +59,18 @@ def patched_tool(patch, work: str | Path, tool: str = "llama-speculative-simple"
         if r.returncode != 0:
             raise RuntimeError(f"{patch.name} does not apply to the pinned tree:\n{r.stdout}{r.stderr}")
 
-    commands = {Path(c["file"]).resolve(): c for c in json.loads((build / "compile_commands.json").read_text())}
+    commands = toolbuild.compile_commands(build)
     objects = []
     for rel in files:
         if not rel.endswith((".c", ".cpp")):
             continue
-        entry, source = _compile_entry(commands, pinned / rel, copy, pinned, work)
+        entry, source = toolbuild.compile_entry(commands, pinned / rel, copy, pinned, work)
         obj = work / "obj" / (rel.replace("/", "_") + ".o")
         obj.parent.mkdir(parents=True, exist_ok=True)
-        args = shlex.split(entry["command"].replace(entry["file"], str(source)).replace(str(pinned), str(copy)))
-        args[args.index("-o") + 1] = str(obj)
-        r = subprocess.run(args, cwd=entry["directory"], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"compiling patched {rel} failed:\n{r.stderr[-2000:]}")
+        toolbuild.compile_object(toolbuild.object_command(entry, source, obj, tree=(pinned, copy)), entry,
+                                 f"patched {rel}")
         objects.append(str(obj))
-
-    ninja = (build / "build.ninja").read_text()
-    link_rule = rf"^build bin/{re.escape(tool)}: CXX_EXECUTABLE_LINKER\S* (\S+\.o)[^\n]*\n((?:  [^\n]*\n)+)"
-    m = re.search(link_rule, ninja, re.M)
-    if m is None:
-        raise ValueError(f"{tool} is not built by our build (DFLASH_LLAMA_PEER_TOOLS=ON)")
-    variables = dict(re.findall(r"^  (\w+) = (.*)$", m.group(2), re.M))
-    libs = [str(build / x) if not x.startswith(("-", "/")) else x for x in variables["LINK_LIBRARIES"].split()]
-    exe = work / tool
-    # the patched objects come first: the archives' members defining the same symbols are not pulled
-    cmd = ["g++", *variables.get("FLAGS", "").split(), str(build / m.group(1)), *objects, *libs, "-o", str(exe)]
-    r = subprocess.run(cmd, cwd=build, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"linking patched {tool} failed:\n{r.stderr[-2000:]}")
-    return exe
-
-
-def _compile_entry(commands: dict, path: Path, copy: Path, pinned: Path, work: Path) -> tuple[dict, Path]:
-    """The compile command for `path` and the source to compile: the file itself, or, for a file our
-    build compiles inside a CMake unity source, a copy of that unity source pointing at the copy."""
-    entry = commands.get(path)
-    if entry is not None:
-        return entry, copy / path.relative_to(pinned)
-    for file, e in commands.items():
-        if "/Unity/" in str(file) and f'"{path}"' in file.read_text(errors="replace"):
-            unity = work / "unity" / file.name
-            unity.parent.mkdir(parents=True, exist_ok=True)
-            unity.write_text(file.read_text().replace(str(pinned), str(copy)))
-            return e, unity
-    raise ValueError(f"{path.relative_to(pinned)} is not compiled by our build: cannot patch it this way")
+    return toolbuild.link_tool(build, tool, objects, work / tool, f"patched {tool}")
 
 
 _DRAFTED = re.compile(r"draft candidate\s+0, pos\s+(\d+):\s+(-?\d+)\s+\(\s*([0-9.]+)\)")

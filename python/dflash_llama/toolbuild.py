@@ -1,0 +1,136 @@
+"""A peer tool of our build relinked with a few translation units compiled otherwise.
+
+Our build compiles the pinned llama.cpp once (CMake, `build/<tag>/`). Two variants of its tools
+need only a few files compiled differently: a patched tree (parity/patched.py: the files a patch
+touches, from a copy of the tree) and a stock build (`stock_tool`: ggml-cpu with llamafile's
+sgemm, as llama.cpp builds it by default and as its users run it; our build leaves sgemm out
+because a verify would then not compute the logits of one-token decoding). Each file is compiled
+with the exact command of our build (compile_commands.json) and linked first, ahead of the build's
+archives, so the archives' members defining the same symbols are not pulled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the source checkout (tools are relinked from its build/)
+PINNED = ROOT / "third_party" / "llama.cpp"
+
+
+def build_dir() -> Path:
+    """Our build that compiled the peer tools."""
+    dirs = [p for p in sorted((ROOT / "build").glob("*/compile_commands.json"))
+            if "speculative-simple" in (p.parent / "build.ninja").read_text(errors="replace")] \
+        if (ROOT / "build").exists() else []
+    if not dirs:
+        raise FileNotFoundError("no build with compile_commands.json under build/: build the package first "
+                                "(./setup.sh, or DFLASH_LLAMA_PEER_TOOLS=ON pip install --no-build-isolation -e .)")
+    return dirs[0].parent
+
+
+def compile_commands(build: Path) -> dict[Path, dict]:
+    """compile_commands.json of `build`, by source file."""
+    return {Path(c["file"]).resolve(): c for c in json.loads((build / "compile_commands.json").read_text())}
+
+
+def compile_entry(commands: dict[Path, dict], path: Path, copy: Path, pinned: Path, work: Path) -> tuple[dict, Path]:
+    """The compile command for `path` and the source to compile: the file itself (in `copy`, a copy
+    of `pinned`), or, for a file our build compiles inside a CMake unity source, a copy of that unity
+    source pointing at the copy."""
+    entry = commands.get(path)
+    if entry is not None:
+        return entry, copy / path.relative_to(pinned)
+    for file, e in commands.items():
+        if "/Unity/" in str(file) and f'"{path}"' in file.read_text(errors="replace"):
+            unity = work / "unity" / file.name
+            unity.parent.mkdir(parents=True, exist_ok=True)
+            unity.write_text(file.read_text().replace(str(pinned), str(copy)))
+            return e, unity
+    raise ValueError(f"{path.relative_to(pinned)} is not compiled by our build: cannot patch it this way")
+
+
+def object_command(entry: dict, source: Path, obj: Path, *, tree: tuple[Path, Path] | None = None,
+                   defines: tuple[str, ...] = ()) -> list[str]:
+    """`entry`'s compiler command, compiling `source` into `obj` (`tree`: (old, new) root of the
+    sources, for a copy of the tree), with `defines` (-D...) added."""
+    command = entry["command"].replace(entry["file"], str(source))
+    if tree is not None:
+        command = command.replace(str(tree[0]), str(tree[1]))
+    args = shlex.split(command)
+    args[args.index("-o") + 1] = str(obj)
+    return args[:1] + [f"-D{d}" for d in defines] + args[1:]
+
+
+def compile_object(args: list[str], entry: dict, what: str) -> None:
+    r = subprocess.run(args, cwd=entry["directory"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"compiling {what} failed:\n{r.stderr[-2000:]}")
+
+
+def link_rule(build: Path, tool: str) -> re.Match:
+    """The ninja rule that links `tool` in `build` (its main object, then its variables)."""
+    ninja = (build / "build.ninja").read_text()
+    rule = rf"^build bin/{re.escape(tool)}: CXX_EXECUTABLE_LINKER\S* (\S+\.o)[^\n]*\n((?:  [^\n]*\n)+)"
+    m = re.search(rule, ninja, re.M)
+    if m is None:
+        raise ValueError(f"{tool} is not built by our build (DFLASH_LLAMA_PEER_TOOLS=ON)")
+    return m
+
+
+def link_tool(build: Path, tool: str, objects: list[str], exe: Path, what: str) -> Path:
+    """Link `tool` as our build links it, with `objects` ahead of the build's libraries."""
+    m = link_rule(build, tool)
+    variables = dict(re.findall(r"^  (\w+) = (.*)$", m.group(2), re.M))
+    libs = [str(build / x) if not x.startswith(("-", "/")) else x for x in variables["LINK_LIBRARIES"].split()]
+    cmd = ["g++", *variables.get("FLAGS", "").split(), str(build / m.group(1)), *objects, *libs, "-o", str(exe)]
+    r = subprocess.run(cmd, cwd=build, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"linking {what} failed:\n{r.stderr[-2000:]}")
+    return exe
+
+
+# ggml-cpu as llama.cpp builds it by default (GGML_LLAMAFILE=ON): ggml-cpu.c calls llamafile_sgemm
+# for batches of two rows and more, sgemm.cpp (compiled like the other C++ files of ggml-cpu) has it
+_SGEMM = "GGML_USE_LLAMAFILE"
+_CPU_C = "ggml/src/ggml-cpu/ggml-cpu.c"
+_SGEMM_CPP = "ggml/src/ggml-cpu/llamafile/sgemm.cpp"
+_CPU_CPP_LIKE = "ggml/src/ggml-cpu/ops.cpp"
+
+
+def stock_tool(tool: str = "llama-speculative-simple", cache: Path | None = None) -> Path:
+    """`tool` as a stock build of the pin makes it: ours, with llamafile's sgemm in ggml-cpu (the
+    only default our build changes). Cached by the compile commands and the build's libraries, so a
+    rebuild of ours makes a new one; about 10 s on 2 cores the first time."""
+    from .paths import cache_dir
+
+    build = build_dir()
+    link_rule(build, tool)  # a tool our build does not make fails before anything is compiled
+    commands = compile_commands(build)
+    pinned = PINNED.resolve()
+    c_entry, cpp_entry = commands[pinned / _CPU_C], commands[pinned / _CPU_CPP_LIKE]
+    libs = sorted(build.glob("llama.cpp/**/*.a"))
+    key = hashlib.sha256(json.dumps([c_entry["command"], cpp_entry["command"], tool,
+                                     [(str(p), p.stat().st_mtime_ns) for p in libs]]).encode()).hexdigest()[:12]
+    work = (cache or cache_dir()) / "stock-tools" / key
+    exe = work / tool
+    if exe.exists():
+        return exe
+    work.mkdir(parents=True, exist_ok=True)
+    objects = []
+    for rel, entry in ((_CPU_C, c_entry), (_SGEMM_CPP, cpp_entry)):
+        obj = work / (Path(rel).name + ".o")
+        compile_object(object_command(entry, pinned / rel, obj, defines=(_SGEMM,)), entry, f"{rel} with {_SGEMM}")
+        objects.append(str(obj))
+    tmp = work / f".{tool}.{os.getpid()}.tmp"
+    try:  # the cache holds whole files only
+        link_tool(build, tool, objects, tmp, f"stock {tool}")
+        os.replace(tmp, exe)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return exe
