@@ -20,6 +20,24 @@ def _method_cells(m: dict) -> str:
             f"{_f(m['median_prompt_ratio_vs_runtime_ar'], 2, 'x')} | {_f(m.get('tau'), 2)}")
 
 
+def target_types_verdict(sweep: dict) -> str | None:
+    """One paragraph: the fastest type measured, and the highest ceiling (what no draft can pass)."""
+    by = [t for t in sweep["by_type"] if t.get("ceiling")]
+    if not by:
+        return None
+    best = max(by, key=lambda t: t["methods"]["dflash-auto"]["ratio_vs_runtime_ar"] or 0.0)
+    top = max(by, key=lambda t: t["ceiling"]["free_draft"])
+    cheapest = min(by, key=lambda t: t["verify_cost"].get("2", float("inf")))
+    a = best["methods"]["dflash-auto"]
+    return (f"**On this machine:** the best DFlash `auto` / plain decoding measured is "
+            f"{_f(a['ratio_vs_runtime_ar'], 2, 'x')} ({best['type']}; median per prompt "
+            f"{_f(a['median_prompt_ratio_vs_runtime_ar'], 2, 'x')}). The cheapest verify of 2 tokens costs "
+            f"{_f(cheapest['verify_cost'].get('2'), 2)} decodes ({cheapest['type']}), and the highest ceiling is "
+            f"{top['ceiling']['free_draft']:.2f}x with a free draft ({top['type']}, N={top['ceiling']['free_draft_n']}), "
+            f"{max(t['ceiling']['measured_draft'] for t in by):.2f}x with the measured draft step: no type can "
+            f"decode faster than that with this draft's acceptance, whatever the loop chooses.")
+
+
 def target_types_section(sweep: dict) -> list[str]:
     """The `--target-types` sweep: per type, decode and verify costs, the pick, DFlash / plain, exactness."""
     L: list[str] = []
@@ -38,16 +56,31 @@ def target_types_section(sweep: dict) -> list[str]:
             f"prompts** (every type and method ran on each of them)\n")
     add(f"Decode and verify costs: {sweep['verify_source']}; verify k = t_verify(k tokens) / t_decode "
         f"(1 = free, k = as dear as k decodes).\n")
-    add("| target type | made | tensors | decode tok/s | verify 2 | verify 4 | verify 8 | pick N | pick predicted tok/s |")
-    add("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    if all("llama_bench_verify_cost" in t for t in sweep["by_type"]):
+        ks = list(sweep["by_type"][0]["llama_bench_verify_cost"])
+        add(f"The pinned `llama-bench -p 1,{','.join(ks)} -n 0 -fa 0` on the same targets, verify k = k * pp1 / ppk "
+            "(the last row's logits only, an empty cache): "
+            + "; ".join(f"{t['type']} " + " / ".join(f"{v:.2f}" for v in t["llama_bench_verify_cost"].values())
+                        for t in sweep["by_type"]) + f" (k = {' / '.join(ks)}).\n")
+    add("Ceiling: the most DFlash / plain decoding can reach on the type, max over N of E[tokens per step](N) "
+        "/ (step cost in decodes), from the same measurements: with a free draft (the verify alone) and with the "
+        "measured draft step.\n")
+    add("| target type | made | tensors | decode tok/s | verify 2 | verify 4 | verify 8 | ceiling, free draft "
+        "| ceiling, measured draft | pick N | pick predicted tok/s |")
+    add("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for t in sweep["by_type"]:
-        v = t["verify_cost"]
+        v, c = t["verify_cost"], t.get("ceiling")
         tensors = ", ".join(f"{n} {k}" for k, n in t["tensor_types"].items())
         beats = "" if t["pick_predicted_beats_plain"] else " (below plain)"
+        ceil = (f"{c['free_draft']:.2f}x (N={c['free_draft_n']}) | {c['measured_draft']:.2f}x (N={c['measured_draft_n']})"
+                if c else "– | –")
         add(f"| {t['type']} | {'requantized' if t['requantized'] else 'the input'} | {tensors} | "
             f"{_f(t['decode_tokens_per_second'])} | {_f(v.get('2'), 2)} | {_f(v.get('4'), 2)} | {_f(v.get('8'), 2)} | "
-            f"{t['pick']} | {_f(t['pick_predicted_tokens_per_second'])}{beats} |")
+            f"{ceil} | {t['pick']} | {_f(t['pick_predicted_tokens_per_second'])}{beats} |")
     add("")
+    verdict = target_types_verdict(sweep)
+    if verdict:
+        add(verdict + "\n")
     add("| target type | plain tok/s | auto tok/s | auto / plain | median/prompt | tau | pick tok/s | pick / plain "
         "| median/prompt | tau | exact |")
     add("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")

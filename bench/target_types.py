@@ -35,7 +35,7 @@ from typing import Callable
 
 from dflash_llama.converter.conversion import NATIVE_OUTTYPES, QUANTIZE_OUTTYPES
 
-SCHEMA = "dflash-llama-bench-target-types/1"
+SCHEMA = "dflash-llama-bench-target-types/2"
 TYPES = tuple(t.upper() for t in (*NATIVE_OUTTYPES, *QUANTIZE_OUTTYPES))  # what llama-quantize makes without an imatrix
 VERIFY_K = (2, 4, 8)  # verify sizes of the report's table (the JSON has every k up to the block)
 METHODS = ("runtime-ar", "dflash-auto", "dflash-pick")
@@ -104,6 +104,16 @@ def typed_target(src: str | os.PathLike, qtype: str, threads: int | None = None)
         finally:
             tmp.unlink(missing_ok=True)
     return out, True
+
+
+def llama_bench_verify_cost(target: str, threads: int | None, n_gpu_layers: int = 0) -> dict[str, float]:
+    """The pinned `llama-bench`'s view of the same costs: k * pp1 / ppk, a k-token prompt decode in
+    units of a one-token one (the last row's logits only, an empty cache), for k in VERIFY_K."""
+    from dflash_llama import peers
+
+    tps = peers.prompt_speeds(target, (1, *VERIFY_K), threads=threads or os.cpu_count() or 1,
+                              n_gpu_layers=n_gpu_layers)
+    return {str(k): k * tps[1] / tps[k] for k in VERIFY_K}
 
 
 def _auto_kwargs() -> dict:
@@ -177,14 +187,31 @@ def _method_summary(rows: list[dict], ar: dict[str, dict]) -> dict:
     return out
 
 
+def ceilings(cm: dict) -> dict:
+    """The most DFlash / plain decoding could reach on this type, from the cost model's measurements:
+    max over N of E[tokens per step](N) / (step cost in decodes), once with the draft free (verify
+    only: no draft, however cheap, passes it) and once with the measured draft and bookkeeping."""
+    decode_ms = cm["autoregressive_step_ms"]
+    cost = {c["n_draft"]: c for c in cm["costs"]}
+    free, measured = {}, {}
+    for pr in cm["predictions"]:
+        c = cost[pr["n_draft"]]
+        free[pr["n_draft"]] = pr["expected_tokens"] * decode_ms / c["verify_ms"]
+        measured[pr["n_draft"]] = pr["expected_tokens"] * decode_ms / c["step_ms"]
+    best_free, best = max(free, key=free.get), max(measured, key=measured.get)
+    return {"free_draft": free[best_free], "free_draft_n": best_free,
+            "measured_draft": measured[best], "measured_draft_n": best}
+
+
 def _type_summary(qtype: str, info: dict, cm: dict, rows: list[dict]) -> dict:
-    """One type: where its target came from, its decode and verify costs, the pick, the three methods."""
+    """One type: where its target came from, its decode and verify costs, the ceilings, the pick, the
+    three methods."""
     decode_ms = cm["autoregressive_step_ms"]
     verify = {str(c["n_draft"] + 1): c["verify_ms"] / decode_ms for c in cm["costs"]}
     ar = {r["prompt"]: r for r in rows if r["method"] == "runtime-ar"}
     methods = {m: _method_summary([r for r in rows if r["method"] == m], ar) for m in METHODS}
     return info | {"type": qtype, "decode_ms": decode_ms, "decode_tokens_per_second": 1000.0 / decode_ms,
-                   "verify_cost": verify, "pick": cm["pick"]["n_draft"],
+                   "verify_cost": verify, "ceiling": ceilings(cm), "pick": cm["pick"]["n_draft"],
                    "pick_predicted_tokens_per_second": cm["pick"]["tokens_per_second"],
                    "pick_predicted_beats_plain": cm["pick"]["tokens_per_second"] > 1000.0 / decode_ms,
                    "methods": methods, "cost_model": cm}
@@ -215,9 +242,10 @@ def run_sweep(base, types: list[str], progress: Callable[[int, str], None] = lam
     retotal(sum(b.count_runs()["warmup"] + b.count_runs()["cost_model"] for _, b, _ in benches)
             + len(benches) * len(METHODS) * len(base.prompts))
     cms = {}
-    for qtype, bench, _ in benches:
+    for qtype, bench, info in benches:
         bench.warmup()
         cms[qtype] = bench.cost_model()
+        info["llama_bench_verify_cost"] = llama_bench_verify_cost(info["target"], base.threads, base.n_gpu_layers)
     rows: list[dict] = []
     done = 0
     started = time.monotonic()

@@ -77,7 +77,7 @@ def test_the_json_has_every_types_rows(sweep_run):
     assert set(res) == {"schema", "meta", "settings", "target_types", "command"}  # only the sweep ran
     assert res["schema"] == "dflash-llama-bench/1"
     sweep = res["target_types"]
-    assert sweep["schema"] == "dflash-llama-bench-target-types/1" and sweep["types"] == TYPES
+    assert sweep["schema"] == "dflash-llama-bench-target-types/2" and sweep["types"] == TYPES
     assert sweep["prompts"] == ["HumanEval/0", "HumanEval/163"] and sweep["stopped_by_budget"] is False
     assert sweep["block_size"] == 8 and [t["type"] for t in sweep["by_type"]] == TYPES
     rows = sweep["rows"]
@@ -93,6 +93,8 @@ def test_the_json_has_every_types_rows(sweep_run):
         for k, v in t["verify_cost"].items():
             assert v == pytest.approx(costs[int(k)] / cm["autoregressive_step_ms"]) and v > 0
         assert t["decode_tokens_per_second"] == pytest.approx(1000 / cm["autoregressive_step_ms"])
+        lb = t["llama_bench_verify_cost"]  # the pinned llama-bench on the same file
+        assert list(lb) == ["2", "4", "8"] and all(0.5 < v < 3 * int(k) for k, v in lb.items())
         mine = [r for r in rows if r["type"] == t["type"]]
 
         def speed(m, mine=mine):
@@ -103,6 +105,25 @@ def test_the_json_has_every_types_rows(sweep_run):
             it = t["methods"][m]
             assert it["prompts"] == 2 and it["tokens_per_second"] == pytest.approx(speed(m))
             assert it["ratio_vs_runtime_ar"] == pytest.approx(speed(m) / speed("runtime-ar"))
+
+
+def test_the_ceilings_bound_every_n(sweep_run):
+    """The ceiling of a type is the best E[tokens](N) / step cost over N, from its own cost model: with
+    the verify alone (a free draft) and with the whole measured step."""
+    _, _, res = sweep_run
+    for t in res["target_types"]["by_type"]:
+        cm, c = t["cost_model"], t["ceiling"]
+        step = {x["n_draft"]: x for x in cm["costs"]}
+        free = {p["n_draft"]: p["expected_tokens"] * cm["autoregressive_step_ms"] / step[p["n_draft"]]["verify_ms"]
+                for p in cm["predictions"]}
+        whole = {p["n_draft"]: p["expected_tokens"] * cm["autoregressive_step_ms"] / step[p["n_draft"]]["step_ms"]
+                 for p in cm["predictions"]}
+        assert sorted(free) == list(range(1, 8))
+        assert c["free_draft"] == pytest.approx(max(free.values())) == pytest.approx(free[c["free_draft_n"]])
+        assert c["measured_draft"] == pytest.approx(max(whole.values())) == pytest.approx(whole[c["measured_draft_n"]])
+        assert c["measured_draft"] < c["free_draft"]  # a draft step costs something
+        # the pick maximises the same prediction
+        assert whole[t["pick"]] == pytest.approx(c["measured_draft"])
 
 
 def test_every_dflash_row_is_exact(sweep_run):
@@ -146,6 +167,16 @@ def test_report_and_plot(sweep_run):
     assert "## Target weight types (`--target-types`)" in md and "**no**" not in md
     for t in res["target_types"]["by_type"]:
         assert f"| {t['type']} | requantized | " in md
+        c = t["ceiling"]
+        assert (f"| {c['free_draft']:.2f}x (N={c['free_draft_n']}) | "
+                f"{c['measured_draft']:.2f}x (N={c['measured_draft_n']}) |") in md
+    by = res["target_types"]["by_type"]
+    assert "The pinned `llama-bench -p 1,2,4,8 -n 0 -fa 0` on the same targets" in md
+    assert "; ".join(f"{t['type']} " + " / ".join(f"{v:.2f}" for v in t["llama_bench_verify_cost"].values())
+                     for t in by) + " (k = 2 / 4 / 8)." in md
+    top = max(by, key=lambda t: t["ceiling"]["free_draft"])
+    assert (f"the highest ceiling is {top['ceiling']['free_draft']:.2f}x with a free draft ({top['type']}, "
+            f"N={top['ceiling']['free_draft_n']})") in md
 
 
 def test_an_inexact_row_exits_3(cache, tiny_target_gguf, tiny_draft_gguf, tmp_path, monkeypatch, capsys):
@@ -202,3 +233,10 @@ def test_asking_for_more_runs_the_benchmark_too(cache, tiny_target_gguf, tiny_dr
     md = (out / "bench.md").read_text()
     assert "## Summary (all prompts)" in md and "## Target weight types (`--target-types`)" in md
     assert "target_types.png" in {p.name for p in out.iterdir()} and "![cost_model.png](cost_model.png)" in md
+
+
+def test_prompt_speeds_of_a_file_that_is_no_model_is_a_peer_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file")
+    with pytest.raises(peers.PeerError, match=r"^llama-bench exited with 1:"):
+        peers.prompt_speeds(bad, (1, 2), threads=1)
