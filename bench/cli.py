@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "none with --target-types)")
     p.add_argument("--native", action=argparse.BooleanOptionalAction,
                    help="run llama.cpp's native DFlash (default: on; off with --target-types)")
+    p.add_argument("--stock-build", action="store_true",
+                   help="with --native, also run llama.cpp's native DFlash from a stock build of the pin "
+                        "(llamafile's sgemm on, as llama.cpp builds by default; made once from our build, cached)")
     p.add_argument("--server", action=argparse.BooleanOptionalAction,
                    help="also benchmark llama-server with native DFlash at --server-concurrency "
                         "(default: on; off with --target-types)")
@@ -131,6 +134,8 @@ def command_line(args: argparse.Namespace, target: str, draft_arg: str | None, o
         parts += ["-ngl", str(args.n_gpu_layers)]
     if args.full_bench:
         parts += ["--ngram-types", args.ngram_types, "--native" if args.native else "--no-native"]
+        if args.stock_build:
+            parts += ["--stock-build"]
     parts += ["--pilot-prompts", str(args.pilot_prompts), "--calibration-tokens", str(args.calibration_tokens)]
     if args.full_bench:
         parts += ["--server", "--server-concurrency", ",".join(map(str, args.server_concurrency)),
@@ -159,6 +164,9 @@ def _check(args: argparse.Namespace) -> list[str]:
                              ("--server-prompts", args.server_prompts, 1), ("--budget-min", args.budget_min, 0)):
         if value < low:
             raise ValueError(f"{name} must be at least {low}, got {value}")
+    if args.stock_build and not args.native:
+        raise ValueError("--stock-build runs llama.cpp's native DFlash: it needs --native "
+                         "(off with --target-types unless asked)")
     ngram = [] if args.ngram_types == "none" else [t for t in args.ngram_types.split(",") if t]
     bad = [t for t in ngram if t not in _ngram_types()]
     if bad:
@@ -192,7 +200,8 @@ def run(args: argparse.Namespace) -> tuple[dict, Path]:
     pilot = prompt_sets.spread(rest, args.pilot_prompts) if rest else chosen[: args.pilot_prompts]
     settings = Settings(target=target, draft=draft, prompts=chosen, pilot=pilot, n_predict=args.n_predict,
                         block_sizes=args.block_sizes, draft_max=args.draft_max, threads=args.threads,
-                        n_ctx=args.ctx_size, ngram_types=ngram, native=args.native, server=args.server,
+                        n_ctx=args.ctx_size, ngram_types=ngram, native=args.native, stock=args.stock_build,
+                        server=args.server,
                         server_concurrency=args.server_concurrency, server_prompts=args.server_prompts,
                         calibration_tokens=args.calibration_tokens, n_gpu_layers=args.n_gpu_layers,
                         deadline=started + 60.0 * args.budget_min if args.budget_min > 0 else None)

@@ -87,13 +87,15 @@ def speed_by_block_size(res: dict, path: Path) -> Path:
             v = summ[key]["tokens_per_second"]
             return v / base if speedup else v
 
-        for impl, color, name in (("dflash-llama", OURS, "dflash-llama DFlash"),
-                                  ("llama.cpp", NATIVE, "llama.cpp native DFlash")):
+        for impl, stock, color, ls, name in (("dflash-llama", False, OURS, "-", "dflash-llama DFlash"),
+                                             ("llama.cpp", False, NATIVE, "-", "llama.cpp native DFlash"),
+                                             ("llama.cpp", True, NATIVE, "--",
+                                              "llama.cpp native DFlash, stock build (sgemm)")):
             pts = sorted((m["block_size"], y(m["key"])) for m in ms
                          if m["impl"] == impl and m["kind"] == "dflash" and m["draft_max"] is None
-                         and not m.get("adaptive"))
+                         and not m.get("adaptive") and bool(m.get("stock")) == stock)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color, label=name)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color, ls=ls, label=name)
         for m in ms:
             if m.get("adaptive"):
                 ax.plot([m["block_size"]], [y(m["key"])], marker="D", ms=10, color="crimson", ls="none",
@@ -106,6 +108,8 @@ def speed_by_block_size(res: dict, path: Path) -> Path:
                 ("llama-completion", "dimgray", "--", "llama-completion")]
         if "llama-spec-ar" in summ:
             flat.append(("llama-spec-ar", "darkgoldenrod", (0, (2, 2)), "llama-speculative-simple, no drafts"))
+        if "stock-spec-ar" in summ:
+            flat.append(("stock-spec-ar", "peru", (0, (1, 1)), "llama-speculative-simple, no drafts, stock build"))
         styles = [":", "-.", (0, (3, 1, 1, 1)), (0, (5, 2)), (0, (1, 2))]
         flat += [(m["key"], plt.get_cmap("tab10")(2 + i), styles[i % len(styles)], f"llama.cpp {m['key']}")
                  for i, m in enumerate(m for m in ms if m["kind"] == "ngram")]
@@ -140,14 +144,15 @@ def per_prompt_speedup(res: dict, path: Path) -> Path:
     labels = {m["key"]: m["label"] for m in res["methods"]}
     fig, ax = plt.subplots(figsize=(max(8.0, 0.42 * len(prompts) * max(1, len(keys)) / 2 + 3), 4.8))
     width = 0.8 / max(1, len(keys))
-    colors = [OURS, "tab:cyan", NATIVE, "tab:red"]
+    colors = [OURS, "tab:cyan", NATIVE, "tab:red", "peru"]
     for i, k in enumerate(keys):
         ys = []
         for p in prompts:
             r, base = rows[(p, k)], rows[(p, "llama-completion")]
             ys.append(r["tokens_per_second"] / base["tokens_per_second"]
                       if r["tokens_per_second"] and base["tokens_per_second"] else np.nan)
-        ax.bar(np.arange(len(prompts)) - 0.4 + width * (i + 0.5), ys, width, label=labels[k], color=colors[i % 4])
+        ax.bar(np.arange(len(prompts)) - 0.4 + width * (i + 0.5), ys, width, label=labels[k],
+               color=colors[i % len(colors)])
     ax.axhline(1.0, color="black", lw=1)
     ax.set_xticks(range(len(prompts)))
     ax.set_xticklabels([p.replace("HumanEval/", "HE/") for p in prompts], rotation=45, ha="right", fontsize=8)

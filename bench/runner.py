@@ -10,6 +10,8 @@ Methods (each a row per prompt):
 - `runtime-b{B}-n{N}`: the draft's trained block B verifying only N drafted tokens (the cost
   model's pick with `--draft-max auto`);
 - `native-b{K}`: llama.cpp's native DFlash, `--spec-draft-n-max K-1` (its block is n_max+1);
+- `stock-b{K}`, `stock-spec-ar` (`--stock-build`): the same from a stock build of the pin (ggml-cpu
+  with llamafile's sgemm, as llama.cpp builds it by default: `dflash_llama.toolbuild.stock_tool`);
 - `ngram-*`: llama.cpp's n-gram speculation, draft-free, with the tool's default settings.
 
 For every prompt the methods run in an order rotated by one place from the previous prompt, so
@@ -53,6 +55,7 @@ class Method:
     spec_type: str | None = None
     auto: bool = False  # the cost model's pick
     adaptive: bool = False  # our runtime's adaptive loop (draft_max="auto"): N chosen step by step
+    stock: bool = False  # llama.cpp's tool from a stock build of the pin (llamafile's sgemm on)
 
     @property
     def n_draft(self) -> int | None:
@@ -68,13 +71,16 @@ class Method:
             return "llama-completion"
         if self.key == "llama-spec-ar":
             return "llama-speculative-simple, no drafts"
+        if self.key == "stock-spec-ar":
+            return "llama-speculative-simple, no drafts, stock build"
         if self.kind == "ngram":
             return f"llama.cpp {self.spec_type}"
         who = "dflash-llama" if self.impl == "dflash-llama" else "llama.cpp native"
         if self.adaptive:
             return f"{who} DFlash B={self.block_size}, adaptive"
         n = f", N={self.draft_max}" if self.draft_max is not None else ""
-        return f"{who} DFlash B={self.block_size}{n}{' (auto)' if self.auto else ''}"
+        build = ", stock build" if self.stock else ""
+        return f"{who} DFlash B={self.block_size}{n}{' (auto)' if self.auto else ''}{build}"
 
 
 @dataclass
@@ -90,6 +96,7 @@ class Settings:
     n_ctx: int
     ngram_types: list[str]
     native: bool = True
+    stock: bool = False  # native DFlash from a stock build of the pin as well (needs native)
     server: bool = True
     server_concurrency: list[int] = field(default_factory=lambda: [1, 2, 4])
     server_prompts: int = 8  # benchmark prompts sent at each concurrency level
@@ -123,6 +130,12 @@ def plan_methods(s: Settings, block_size: int, pick: int | None) -> list[Method]
         for k in s.block_sizes:
             if k - 1 <= block_size - 1:  # llama.cpp clamps n_max to the trained block: larger K repeat B
                 methods.append(Method(f"native-b{k}", "llama.cpp", "dflash", block_size=k, spec_type="draft-dflash"))
+    if s.native and s.stock:
+        methods.append(Method("stock-spec-ar", "llama.cpp", "autoregressive", spec_type="ngram-simple", stock=True))
+        for k in s.block_sizes:
+            if k - 1 <= block_size - 1:
+                methods.append(Method(f"stock-b{k}", "llama.cpp", "dflash", block_size=k, spec_type="draft-dflash",
+                                      stock=True))
     for t in s.ngram_types:
         methods.append(Method(t, "llama.cpp", "ngram", spec_type=t))
     return methods
@@ -165,6 +178,7 @@ def _peer_row(m: Method, r: peers.PeerResult) -> dict:
         "prefill_ms": r.prompt_ms,
         "time_split_ms": {"prefill": r.prompt_ms, "decode": r.decode_ms},
         "stop_reason": "stop_token" if r.stopped else "max_tokens",
+        "tool": r.command[0] if r.command else None,  # which build of the pinned tool ran
     }
     if r.n_drafted is not None:
         row.update(n_drafted=r.n_drafted, n_accepted=r.n_accept,
@@ -193,6 +207,15 @@ class Bench:
         if too_long:
             raise ValueError(f"prompt {too_long[0][0]} has {too_long[0][1]} tokens: with -n {s.n_predict} it does "
                              f"not fit the context of {s.n_ctx} tokens (raise --ctx-size)")
+        self._stock_exe: Path | None = None
+
+    def stock_exe(self) -> Path:
+        """llama-speculative-simple from a stock build of the pin, made (or found cached) once."""
+        if self._stock_exe is None:
+            from dflash_llama import toolbuild
+
+            self._stock_exe = toolbuild.stock_tool("llama-speculative-simple")
+        return self._stock_exe
 
     # -- planning -----------------------------------------------------------------------------
     def count_runs(self) -> dict[str, int]:
@@ -260,15 +283,16 @@ class Bench:
                                  n_gpu_layers=s.n_gpu_layers)
             row = _peer_row(m, r)
             row["_text"], row["_stopped"] = r.text, r.stopped
-        elif m.key == "llama-spec-ar":
+        elif m.key in ("llama-spec-ar", "stock-spec-ar"):
             r = peers.speculative_plain(s.target, p.text, s.n_predict, threads=s.threads, n_ctx=s.n_ctx,
-                                        n_gpu_layers=s.n_gpu_layers)
+                                        n_gpu_layers=s.n_gpu_layers, exe=self.stock_exe() if m.stock else None)
             row = _peer_row(m, r)
             row["_text"], row["_stopped"] = r.text, r.stopped
         else:
             r = peers.speculative(s.target, p.text, s.n_predict, m.spec_type, threads=s.threads, n_ctx=s.n_ctx,
                                   draft=s.draft if m.kind == "dflash" else None,
-                                  n_max=m.n_draft if m.kind == "dflash" else None, n_gpu_layers=s.n_gpu_layers)
+                                  n_max=m.n_draft if m.kind == "dflash" else None, n_gpu_layers=s.n_gpu_layers,
+                                  exe=self.stock_exe() if m.stock else None)
             row = _peer_row(m, r)
             row["_text"], row["_stopped"] = r.text, r.stopped
         return row
@@ -296,6 +320,7 @@ class Bench:
         (tokens); llama.cpp's speculative rows against the same tool without drafts (text); the plain
         decoders against each other. Every row also says whether its text is llama-completion's."""
         ar, lc, sar = results["runtime-ar"], results["llama-completion"], results.get("llama-spec-ar")
+        stock_sar = results.get("stock-spec-ar")
         out = []
         for m in methods:
             r = results[m.key]
@@ -308,9 +333,12 @@ class Bench:
             elif m.key == "llama-completion":
                 exact, diff = text_matches(r["_text"], ar["_text"], True)
                 against, unit = "runtime-ar", "char"
-            elif m.key == "llama-spec-ar":
+            elif m.key in ("llama-spec-ar", "stock-spec-ar"):
                 exact, diff = text_matches(r["_text"], lc["_text"], lc["_stopped"])
                 against, unit = "llama-completion", "char"
+            elif m.stock:
+                exact, diff = text_matches(r["_text"], stock_sar["_text"], stock_sar["_stopped"])
+                against, unit = "stock-spec-ar", "char"
             else:
                 exact, diff = text_matches(r["_text"], sar["_text"], sar["_stopped"])
                 against, unit = "llama-spec-ar", "char"
@@ -360,7 +388,7 @@ class Bench:
     # -- everything -----------------------------------------------------------------------------
     def server_n_max(self, rows: list[dict], methods: list[Method]) -> int:
         """The server runs native DFlash at its fastest n_max of this run (else the cost model's pick)."""
-        native = [m for m in methods if m.impl == "llama.cpp" and m.kind == "dflash"]
+        native = [m for m in methods if m.impl == "llama.cpp" and m.kind == "dflash" and not m.stock]
         if not native:
             return self.pick
         speeds = {m.n_draft: _speed([r for r in rows if r["method"] == m.key]) for m in native}
@@ -384,6 +412,8 @@ class Bench:
         s = self.s
         t0 = time.time()
         load_start = _loadavg()
+        if self.s.native and self.s.stock:
+            self.stock_exe()  # a failing build fails before anything is measured
         self.warmup()
         cm = self.cost_model()
         pick = cm["pick"]["n_draft"] if s.draft_max == "auto" else int(s.draft_max)
@@ -441,6 +471,7 @@ class Bench:
                          "stopped_by_budget": n_done < len(s.prompts), "server_prompts": s.server_prompts,
                          "draft_block_size": self.block_size, "draft_max": s.draft_max, "threads": s.threads,
                          "n_ctx": s.n_ctx, "ngram_types": s.ngram_types, "native": s.native,
+                         "stock_build": s.stock,
                          "server": s.server, "server_concurrency": s.server_concurrency,
                          "prompts": [{"id": p.id, "n_tokens": len(self.tokens[p.id])} for p in s.prompts
                                      if p.id in texts],
@@ -537,14 +568,22 @@ def ratios(rows: list[dict], methods: list[Method], block_size: int) -> list[dic
             continue
         if m.adaptive:
             out.append(pair(m.key, f"native-b{m.block_size}", f"{m.label} / native DFlash, B={m.block_size}"))
+            out.append(pair(m.key, f"stock-b{m.block_size}",
+                            f"{m.label} / native DFlash (stock build), B={m.block_size}"))
         elif m.draft_max is None:
             out.append(pair(m.key, f"native-b{m.block_size}", f"our runtime / native DFlash, B={m.block_size}"))
+            out.append(pair(m.key, f"stock-b{m.block_size}",
+                            f"our runtime / native DFlash (stock build), B={m.block_size}"))
         out.append(pair(m.key, "runtime-ar", f"{m.label} / our autoregressive"))
         out.append(pair(m.key, "llama-completion", f"{m.label} / llama-completion"))
     for m in methods:
         if m.impl == "llama.cpp" and m.kind == "dflash":
             out.append(pair(m.key, "llama-completion", f"{m.label} / llama-completion"))
-            out.append(pair(m.key, "llama-spec-ar", f"{m.label} / the same tool without drafts"))
+            out.append(pair(m.key, "stock-spec-ar" if m.stock else "llama-spec-ar",
+                            f"{m.label} / the same tool without drafts"))
+            if m.stock:
+                out.append(pair(m.key, f"native-b{m.block_size}", f"{m.label} / the same, built like ours"))
+    out.append(pair("stock-spec-ar", "llama-spec-ar", "stock build / built like ours, no drafts"))
     out.append(pair("runtime-ar", "llama-completion", "our autoregressive / llama-completion"))
     return [r for r in out if r is not None]
 

