@@ -81,7 +81,7 @@ def speed_by_block_size(res: dict, path: Path) -> Path:
     summ = res["summary"]
     ms = res["methods"]
     base = summ["llama-completion"]["tokens_per_second"]
-    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.8))
+    fig, axes = plt.subplots(1, 2, figsize=(13.5, 4.8))
     for ax, speedup in zip(axes, (False, True)):
         def y(key, speedup=speedup):
             v = summ[key]["tokens_per_second"]
@@ -90,7 +90,7 @@ def speed_by_block_size(res: dict, path: Path) -> Path:
         for impl, stock, color, ls, name in (("dflash-llama", False, OURS, "-", "dflash-llama DFlash"),
                                              ("llama.cpp", False, NATIVE, "-", "llama.cpp native DFlash"),
                                              ("llama.cpp", True, NATIVE, "--",
-                                              "llama.cpp native DFlash, stock build (sgemm)")):
+                                              "llama.cpp native DFlash, stock build")):
             pts = sorted((m["block_size"], y(m["key"])) for m in ms
                          if m["impl"] == impl and m["kind"] == "dflash" and m["draft_max"] is None
                          and not m.get("adaptive") and bool(m.get("stock")) == stock)
@@ -109,7 +109,7 @@ def speed_by_block_size(res: dict, path: Path) -> Path:
         if "llama-spec-ar" in summ:
             flat.append(("llama-spec-ar", "darkgoldenrod", (0, (2, 2)), "llama-speculative-simple, no drafts"))
         if "stock-spec-ar" in summ:
-            flat.append(("stock-spec-ar", "peru", (0, (1, 1)), "llama-speculative-simple, no drafts, stock build"))
+            flat.append(("stock-spec-ar", "peru", (0, (1, 1)), "llama-speculative-simple, no drafts (stock)"))
         styles = [":", "-.", (0, (3, 1, 1, 1)), (0, (5, 2)), (0, (1, 2))]
         flat += [(m["key"], plt.get_cmap("tab10")(2 + i), styles[i % len(styles)], f"llama.cpp {m['key']}")
                  for i, m in enumerate(m for m in ms if m["kind"] == "ngram")]
@@ -125,9 +125,9 @@ def speed_by_block_size(res: dict, path: Path) -> Path:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.79, 0.5), fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.745, 0.5), fontsize=8, frameon=False)
     fig.suptitle(f"All prompts, -n {res['settings']['n_predict']}, {res['settings']['threads']} threads")
-    fig.tight_layout(rect=(0, 0, 0.79, 1))
+    fig.tight_layout(rect=(0, 0, 0.745, 1))
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
