@@ -220,3 +220,29 @@ def test_compact_draft_head(tiny_target_gguf, draft_gguf, smollm2_gguf, smollm2_
     block = [a.tokens[0]] + [rt.mask_token_id] * (rt.block_size - 1)
     got, want = rt.trace_draft(feats, block), ref.trace_draft(feats, block)
     assert np.array_equal(got["result_output"], want["result_output"])
+
+
+def test_every_call_computes_on_the_runtimes_one_thread(rt):
+    """Streaming or not, from any thread: one compute thread per Runtime (no thread per stream), the
+    same tokens, errors raised in the caller, and an abandoned stream does not block the next call."""
+    import threading
+
+    before = threading.active_count()
+    plain = rt.generate("def f(x):", 12)
+    streams = [rt.generate("def f(x):", 12, stream=True) for _ in range(3)]
+    for s in streams:
+        assert "".join(s) == plain.text and s.result.tokens == plain.tokens
+    box = {}
+    t = threading.Thread(target=lambda: box.update(g=rt.generate("def f(x):", 12)))
+    t.start()
+    t.join()
+    assert box["g"].tokens == plain.tokens
+    abandoned = iter(rt.generate("def f(x):", 12, stream=True))
+    next(abandoned)
+    assert rt.autoregressive("def f(x):", 12).tokens == plain.tokens  # greedy DFlash = plain greedy
+    assert threading.active_count() == before
+    with pytest.raises(ValueError, match="the prompt has 300 tokens but the context holds 256"):  # from C++
+        rt.generate([1] * 300, 4)
+    with pytest.raises(ValueError, match="the prompt has 300 tokens but the context holds 256"):
+        "".join(rt.generate([1] * 300, 4, stream=True))
+    assert rt.generate("def f(x):", 12).tokens == plain.tokens  # and the thread goes on

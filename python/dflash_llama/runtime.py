@@ -5,7 +5,8 @@
     out.tokens, out.text, out.steps, out.tau, out.stats
     for piece in rt.generate("def fib(n):", 64, stream=True): print(piece, end="")
 
-Compute runs in C++ with the GIL released; errors arrive as exceptions (ValueError for bad input).
+Compute runs in C++ with the GIL released, always on one thread of the Runtime's own (see
+`_ComputeThread`); errors arrive as exceptions (ValueError for bad input).
 The C++ runtime checks every value; this module only converts them to their C types (an integer out
 of its C type's range is a ValueError here, never a wrap). A prompt is text (str or bytes, UTF-8: the
 runtime refuses anything else) or a list of token ids.
@@ -123,6 +124,57 @@ def _policy(p) -> Policy:
                   p.shadow_probes, p.calibration_ms)
 
 
+class _ComputeThread:
+    """The one thread a Runtime computes on, streaming or not, one job at a time.
+
+    ggml's CPU backend runs a graph on an OpenMP team of the calling thread. Each calling thread has
+    its own team, and once one thread's team exists, a graph run from another thread measured half
+    the speed on a 2-core machine (SmolLM2 decoding: 93 tok/s from the thread that computed before,
+    57 from a fresh thread). Streaming needs a thread besides the caller's, so every compute goes to
+    this one."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, args=(self._jobs,), daemon=True,
+                                        name="dflash-llama-compute")
+        self._thread.start()
+
+    @staticmethod
+    def _loop(jobs: queue.SimpleQueue) -> None:  # holds no reference to the Runtime
+        while (job := jobs.get()) is not None:
+            _ComputeThread._run(*job)
+            del job  # nothing of a finished job stays alive in this thread
+
+    @staticmethod
+    def _run(fn, done: threading.Event, box: list) -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as e:  # handed to the caller
+            box.append((False, e))
+        finally:
+            done.set()
+
+    def submit(self, fn) -> tuple[threading.Event, list]:
+        """Queue `fn`; the event is set once `box` holds (ok, result or exception)."""
+        done, box = threading.Event(), []
+        self._jobs.put((fn, done, box))
+        return done, box
+
+    def call(self, fn):
+        """fn() on the compute thread; its result, or its exception raised here."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        done, box = self.submit(fn)
+        done.wait()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
 @dataclass
 class Stream:
     """Iterator of text pieces; `.result` holds the Generation once the iterator is exhausted."""
@@ -154,7 +206,12 @@ class Runtime:
                                     c_int("n_gpu_layers", n_gpu_layers), bool(kv_f32), c_int("n_seq", n_seq),
                                     bool(compact_draft_head), bool(verbose))
         self._core = _core
-        self._lock = threading.Lock()  # one sequence at a time
+        self._compute = _ComputeThread()  # every graph runs there, one sequence at a time
+
+    def __del__(self):
+        compute = getattr(self, "_compute", None)
+        if compute is not None:
+            compute.stop()
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -235,8 +292,8 @@ class Runtime:
         params = self._params(max_new_tokens, temperature, top_p, top_k, seed, None, None,
                               stop_tokens, stop_at_eog)
         token_lists = [self._prompt_tokens(p) for p in prompts]
-        with self._lock:
-            return [self._generation(r) for r in self._engine.autoregressive_batch(token_lists, params)]
+        results = self._compute.call(lambda: self._engine.autoregressive_batch(token_lists, params))
+        return [self._generation(r) for r in results]
 
     def capture(self, tokens: Sequence[int], layer_ids: Sequence[int] | None = None) -> np.ndarray:
         """Target features of `tokens`: float32 [n_tokens, n_taps * n_embd], taps concatenated.
@@ -244,17 +301,16 @@ class Runtime:
         layer_ids are Hugging Face ids (hidden_states[id + 1]); default: the draft's target layers.
         """
         ids = [c_int("layer id", i) for i in layer_ids] if layer_ids is not None else self.target_layer_ids
-        with self._lock:
-            return self._engine.capture(self._check_tokens(tokens), ids)
+        tokens = self._check_tokens(tokens)
+        return self._compute.call(lambda: self._engine.capture(tokens, ids))
 
     def target_logits(self, tokens: Sequence[int], one_at_a_time: bool = False,
                       n_prefill: int = 1) -> np.ndarray:
         """Target logits of every token, float32 [n_tokens, n_vocab]: from one batched decode (as a
         verify computes them), or one token at a time after a batched prefill of `n_prefill`
         tokens (as autoregressive decoding computes them)."""
-        with self._lock:
-            return self._engine.target_logits(self._check_tokens(tokens), bool(one_at_a_time),
-                                              c_int("n_prefill", n_prefill))
+        tokens, n_prefill = self._check_tokens(tokens), c_int("n_prefill", n_prefill)
+        return self._compute.call(lambda: self._engine.target_logits(tokens, bool(one_at_a_time), n_prefill))
 
     def trace_draft(self, features: np.ndarray, block: Sequence[int]) -> dict[str, np.ndarray]:
         """Every named draft intermediate (float32, NumPy order) for context `features`
@@ -263,8 +319,8 @@ class Runtime:
         feats = np.ascontiguousarray(features, dtype=np.float32)
         if feats.ndim != 2:
             raise ValueError(f"features must be 2-D [n_tokens, n_taps * n_embd], got shape {feats.shape}")
-        with self._lock:
-            return dict(self._engine.trace_draft(feats, self._check_tokens(block)))
+        block = self._check_tokens(block)
+        return dict(self._compute.call(lambda: self._engine.trace_draft(feats, block)))
 
     # -- internals ----------------------------------------------------------------------------
     def _params(self, max_new_tokens, temperature, top_p, top_k, seed, block_size, draft_max,
@@ -318,8 +374,7 @@ class Runtime:
     def _run(self, fn, prompt, params, stream: bool):
         tokens = self._prompt_tokens(prompt)
         if not stream:
-            with self._lock:
-                return self._generation(fn(tokens, params, None))
+            return self._generation(self._compute.call(lambda: fn(tokens, params, None)))
         return self._stream(fn, tokens, params)
 
     def _stream(self, fn, tokens, params) -> Stream:
@@ -327,12 +382,11 @@ class Runtime:
         done = object()
         out = Stream(iter(()))
 
-        def worker():
+        def job():
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             try:
-                with self._lock:
-                    r = fn(tokens, params,
-                           lambda new: pieces.put(decoder.decode(b"".join(self._engine.piece(t) for t in new))))
+                r = fn(tokens, params,
+                       lambda new: pieces.put(decoder.decode(b"".join(self._engine.piece(t) for t in new))))
                 out.result = self._generation(r)
                 pieces.put(decoder.decode(b"", final=True))
                 pieces.put(done)
@@ -340,8 +394,7 @@ class Runtime:
                 pieces.put(e)
 
         def iterate() -> Iterator[str]:
-            thread = threading.Thread(target=worker, daemon=True)
-            thread.start()
+            self._compute.submit(job)  # runs once the jobs before it are done
             while True:
                 item = pieces.get()
                 if item is done:
@@ -350,7 +403,6 @@ class Runtime:
                     raise item
                 if item:
                     yield item
-            thread.join()
 
         out._pieces = iterate()
         return out
