@@ -134,6 +134,9 @@ class _ComputeThread:
     this one."""
 
     def __init__(self):
+        self._start()
+
+    def _start(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, args=(self._jobs,), daemon=True,
                                         name="dflash-llama-compute")
@@ -156,6 +159,8 @@ class _ComputeThread:
 
     def submit(self, fn) -> tuple[threading.Event, list]:
         """Queue `fn`; the event is set once `box` holds (ok, result or exception)."""
+        if not self._thread.is_alive():  # a forked child has no copy of the thread: a new one
+            self._start()
         done, box = threading.Event(), []
         self._jobs.put((fn, done, box))
         return done, box
