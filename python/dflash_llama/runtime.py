@@ -170,7 +170,14 @@ class _ComputeThread:
         if threading.current_thread() is self._thread:
             return fn()
         done, box = self.submit(fn)
-        done.wait()
+        interrupted = None
+        while not done.is_set():  # a native call cannot stop midway: Ctrl-C takes effect once it returns
+            try:
+                done.wait()
+            except KeyboardInterrupt as e:
+                interrupted = e
+        if interrupted is not None:
+            raise interrupted
         ok, value = box[0]
         if not ok:
             raise value
