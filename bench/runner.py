@@ -126,16 +126,14 @@ def plan_methods(s: Settings, block_size: int, pick: int | None) -> list[Method]
     if pick is not None and not (pick == block_size - 1 and block_size in s.block_sizes):
         methods.append(Method(f"runtime-b{block_size}-n{pick}", "dflash-llama", "dflash", block_size=block_size,
                               draft_max=pick, auto=s.draft_max == "auto"))
+    native_sizes = [k for k in s.block_sizes if k <= block_size]  # llama.cpp clamps n_max to the trained block
     if s.native:
-        for k in s.block_sizes:
-            if k - 1 <= block_size - 1:  # llama.cpp clamps n_max to the trained block: larger K repeat B
-                methods.append(Method(f"native-b{k}", "llama.cpp", "dflash", block_size=k, spec_type="draft-dflash"))
-    if s.native and s.stock:
+        methods += [Method(f"native-b{k}", "llama.cpp", "dflash", block_size=k, spec_type="draft-dflash")
+                    for k in native_sizes]
+    if s.native and s.stock:  # the same from a stock build, with its own no-draft reference
         methods.append(Method("stock-spec-ar", "llama.cpp", "autoregressive", spec_type="ngram-simple", stock=True))
-        for k in s.block_sizes:
-            if k - 1 <= block_size - 1:
-                methods.append(Method(f"stock-b{k}", "llama.cpp", "dflash", block_size=k, spec_type="draft-dflash",
-                                      stock=True))
+        methods += [Method(f"stock-b{k}", "llama.cpp", "dflash", block_size=k, spec_type="draft-dflash", stock=True)
+                    for k in native_sizes]
     for t in s.ngram_types:
         methods.append(Method(t, "llama.cpp", "ngram", spec_type=t))
     return methods
@@ -283,16 +281,16 @@ class Bench:
                                  n_gpu_layers=s.n_gpu_layers)
             row = _peer_row(m, r)
             row["_text"], row["_stopped"] = r.text, r.stopped
-        elif m.key in ("llama-spec-ar", "stock-spec-ar"):
-            r = peers.speculative_plain(s.target, p.text, s.n_predict, threads=s.threads, n_ctx=s.n_ctx,
-                                        n_gpu_layers=s.n_gpu_layers, exe=self.stock_exe() if m.stock else None)
-            row = _peer_row(m, r)
-            row["_text"], row["_stopped"] = r.text, r.stopped
-        else:
-            r = peers.speculative(s.target, p.text, s.n_predict, m.spec_type, threads=s.threads, n_ctx=s.n_ctx,
-                                  draft=s.draft if m.kind == "dflash" else None,
-                                  n_max=m.n_draft if m.kind == "dflash" else None, n_gpu_layers=s.n_gpu_layers,
-                                  exe=self.stock_exe() if m.stock else None)
+        else:  # llama-speculative-simple, ours or the stock build
+            exe = self.stock_exe() if m.stock else None
+            if m.key in ("llama-spec-ar", "stock-spec-ar"):
+                r = peers.speculative_plain(s.target, p.text, s.n_predict, threads=s.threads, n_ctx=s.n_ctx,
+                                            n_gpu_layers=s.n_gpu_layers, exe=exe)
+            else:
+                r = peers.speculative(s.target, p.text, s.n_predict, m.spec_type, threads=s.threads, n_ctx=s.n_ctx,
+                                      draft=s.draft if m.kind == "dflash" else None,
+                                      n_max=m.n_draft if m.kind == "dflash" else None, n_gpu_layers=s.n_gpu_layers,
+                                      exe=exe)
             row = _peer_row(m, r)
             row["_text"], row["_stopped"] = r.text, r.stopped
         return row
