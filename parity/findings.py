@@ -3,10 +3,13 @@ runnable reproduction per finding of docs/upstream_status.md.
 
     python -m dflash_llama.parity.findings            # all
     python -m dflash_llama.parity.findings U3 U5      # some
+    python -m dflash_llama.parity.findings --patched  # each on the pinned build and on patches/series
 
 Each prints what it measured and whether the divergence is present; the exit status is the number
-of findings reproduced (0 once llama.cpp has fixed them all). Tiny fixtures are built on demand
-into the parity cache folder (`$DFLASH_LLAMA_CACHE`).
+of findings reproduced (0 once llama.cpp has fixed them all). With `--patched`, each finding the
+series patches runs on both builds, and the exit status is the number not shown fixed (a finding
+with no patch counts when it reproduces). Tiny fixtures are built on demand into the parity cache
+folder (`$DFLASH_LLAMA_CACHE`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,22 @@ def tiny_fixture(name: str, **draft):
     if not gguf.exists():
         convert(hf, target, gguf, outtype="f32")
     return target_hf, target, hf, gguf
+
+
+def registry_fixture(name: str) -> tuple[Path, Path]:
+    """(target GGUF, draft GGUF) of a fixture pair of parity/registry.toml, built on demand."""
+    from . import registry
+
+    pairs, defaults = registry.load()
+    pair = next((p for p in pairs if p.name == name), None)
+    if pair is None:
+        raise ValueError(f"no pair {name} in {registry.REGISTRY_PATH}")
+    r = registry.resolve(pair, defaults)
+    return r.target, r.draft
+
+
+def gemma3_fixture() -> tuple[Path, Path]:
+    return registry_fixture("tiny-gemma3-f32")
 
 
 def _traces(target, gguf, hf, block_len=None):
@@ -139,8 +158,16 @@ def u5_block_length() -> bool:
     return diff > 1e-3
 
 
+def u7_gemma3_no_layer_inputs() -> bool:
+    """U7: the gemma3 graph sets no layer inputs, so draft-dflash's capture aborts."""
+    target, draft = gemma3_fixture()
+    r = _speculative_simple(target, draft)
+    print(f"U7: gemma3 target: llama-speculative-simple exit code {r.returncode}: {_last(r, 'GGML_ASSERT')}")
+    return r.returncode != 0 and "layer input tensor is null" in r.stderr
+
+
 FINDINGS = {"U1": u1_converter_default_layers, "U2": u2_last_layer_tap, "U3": u3_sliding_layers_non_causal,
-            "U4": u4_logit_scale_ignored, "U5": u5_block_length}
+            "U4": u4_logit_scale_ignored, "U5": u5_block_length, "U7": u7_gemma3_no_layer_inputs}
 
 
 def _top_p(logits: np.ndarray, k: int = 10) -> np.ndarray:
@@ -166,17 +193,36 @@ def _last(r, key: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    names = (argv if argv is not None else sys.argv[1:]) or list(FINDINGS)
+    argv = list(argv if argv is not None else sys.argv[1:])
+    on_patched = "--patched" in argv
+    names = [a for a in argv if a != "--patched"] or list(FINDINGS)
     unknown = [n for n in names if n not in FINDINGS]
     if unknown:
         print(f"unknown finding(s) {', '.join(unknown)}; known: {', '.join(FINDINGS)}", file=sys.stderr)
         return 255
+    if on_patched:
+        return _main_patched(names)
     reproduced = 0
     for name in names:
         present = FINDINGS[name]()
         print(f"{name}: {'REPRODUCED' if present else 'not reproduced (fixed?)'}")
         reproduced += present
     return reproduced
+
+
+def _main_patched(names: list[str]) -> int:
+    from . import patched
+
+    in_series = {p.name for p in patched.series()}
+    with_patch = [n for n in names if n in patched.SHOW and patched.SHOW[n][0] in in_series]
+    count = patched.show(with_patch, patched.patched_build()) if with_patch else 0
+    for name in names:
+        if name not in with_patch:
+            present = FINDINGS[name]()
+            print(f"{name}: no patch in patches/series; on the pinned build: "
+                  f"{'REPRODUCED' if present else 'not reproduced'}")
+            count += present
+    return count
 
 
 if __name__ == "__main__":

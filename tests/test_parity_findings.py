@@ -33,11 +33,16 @@ def test_u5_block_length_changes_drafts(capsys):
     assert "l_out-1 at those positions differs by 4.1e-01" in capsys.readouterr().out
 
 
+def test_u7_gemma3_target_aborts_draft_dflash(capsys):
+    assert findings.u7_gemma3_no_layer_inputs()
+    assert 'GGML_ASSERT(t_layer_inp[il] != nullptr && "layer input tensor is null") failed' in capsys.readouterr().out
+
+
 def test_main_counts_and_refuses_unknown(capsys):
     assert findings.main(["U4", "U5"]) == 2
     assert capsys.readouterr().out.count("REPRODUCED") == 2
     assert findings.main(["U9"]) == 255
-    assert "unknown finding(s) U9; known: U1, U2, U3, U4, U5" in capsys.readouterr().err
+    assert "unknown finding(s) U9; known: U1, U2, U3, U4, U5, U7" in capsys.readouterr().err
 
 
 def test_u5_patch_applies_to_the_pinned_tree():

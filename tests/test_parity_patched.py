@@ -1,13 +1,14 @@
-"""The patches under patches/, applied to a copy of the pinned tree, remove their findings' divergence
-(and the pinned tree itself stays untouched)."""
+"""The patch series under patches/, applied in order to a copy of the pinned tree, removes each
+finding's divergence where users run llama.cpp (its tools), and the pinned tree stays untouched."""
 
 from __future__ import annotations
 
 import hashlib
+import subprocess
 
 import pytest
 
-from dflash_llama.parity import patched
+from dflash_llama.parity import findings, patched
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -18,23 +19,90 @@ def cache(tmp_path_factory):
     mp.undo()
 
 
-def test_u4_and_u5_gone_in_the_patched_copy(tmp_path):
+def _touched_hashes() -> dict[str, str]:
     tree = patched.ROOT / "third_party" / "llama.cpp"
-    pinned = [tree / "common" / "speculative.cpp", tree / "src" / "models" / "dflash.cpp"]
-    before = [hashlib.sha256(p.read_bytes()).hexdigest() for p in pinned]
-    exe = patched.patched_tool([patched.PATCHES / name for name in sorted(patched.SHOW)], tmp_path)
+    files = sorted({f for p in patched.series() for f in patched.touched_files(p)})
+    return {f: hashlib.sha256((tree / f).read_bytes()).hexdigest() for f in files}
 
-    u5 = patched.show_u5(exe)
+
+@pytest.fixture(scope="module")
+def build():
+    before = _touched_hashes()
+    log: list[str] = []
+    b = patched.patched_build(log=log.append)
+    assert _touched_hashes() == before  # the pinned tree is never written
+    return b, log
+
+
+def test_series_names_every_patch_in_order():
+    names = [p.name for p in patched.series()]
+    assert names == ["u1-dflash-default-target-layers.patch", "u2-dflash-last-layer-tap.patch",
+                     "u4-dflash1-logit-scale.patch", "u5-dflash-full-block.patch", "u7-gemma3-layer-inputs.patch"]
+    assert sorted(names) == sorted(p.name for p in patched.PATCHES.glob("*.patch"))
+    assert {f for f, (patch, _) in patched.SHOW.items()} == {"U1", "U2", "U4", "U5", "U7"}
+
+
+def test_series_builds_only_the_touched_units_then_comes_from_the_cache(build):
+    build, first_log = build
+    assert sorted(m for m in first_log if m.startswith("compiling")) == [
+        "compiling patched common/speculative.cpp", "compiling patched src/llama-graph.cpp",
+        "compiling patched src/llama-model.cpp", "compiling patched src/models/dflash.cpp",
+        "compiling patched src/models/gemma3.cpp"]
+    again: list[str] = []
+    assert patched.patched_build(log=again.append) == build and again == []
+    # one patch less: a new build, every object reused (incremental over the series)
+    fewer: list[str] = []
+    other = patched.patched_build(patched.series()[:-1], log=fewer.append)
+    assert other.tree != build.tree
+    assert fewer == ["linking patched llama-speculative-simple", "linking patched llama-server"]
+    r = subprocess.run([str(build.tool("llama-server")), "--version"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_u1_converter_writes_the_default_taps(build):
+    build, _ = build
+    u1 = patched.show_u1(build)
+    assert u1["pinned"]["target_layers"] is None and u1["pinned"]["exit"] == 1
+    assert "DFlash model requires 'target_layers' in GGUF metadata" in u1["pinned"]["error"]
+    assert u1["patched"] == {"exit": 0, "exact": True, "target_layers": [2, 2]}  # HF ids [1, 1] + 1
+    assert u1["fixed"]
+
+
+@pytest.mark.parametrize("show", [patched.show_u2, patched.show_u7], ids=["U2", "U7"])
+def test_capture_findings_run_exact_and_draft_as_our_runtime(build, show):
+    build, _ = build
+    r = show(build)
+    assert r["pinned"]["exit"] == -6 and "layer input tensor is null" in r["pinned"]["error"]
+    assert r["patched"] == {"exit": 0, "exact": True}
+    assert r["drafts"]["tool"] == r["drafts"]["runtime"] and len(r["drafts"]["tool"]) >= 3
+    assert r["fixed"]
+
+
+def test_u4_and_u5_gone(build):
+    build, _ = build
+    u5 = patched.show_u5(build)
     assert u5["pinned"] == {"n_max_7_first_3": [799, 799, 799], "n_max_3": [8856, 8856, 31886], "agree": False}
     assert u5["patched"] == {"n_max_7_first_3": [799, 799, 799], "n_max_3": [799, 799, 799], "agree": True}
-    u4 = patched.show_u4(exe)
+    u4 = patched.show_u4(build)
     assert (u4["published"], u4["raw"], u4["pinned"], u4["patched"]) == (0.114, 0.249, 0.249, 0.114)
     assert u4["fixed"] and u5["fixed"]
-    assert [hashlib.sha256(p.read_bytes()).hexdigest() for p in pinned] == before
+
+
+def test_findings_patched_counts_what_is_not_fixed(build, capsys):
+    assert findings.main(["--patched", "U3", "U7"]) == 1  # U3 has no patch and reproduces; U7 is fixed
+    out = capsys.readouterr().out
+    assert "U7: reproduced on the pinned build, fixed on the patched build" in out
+    assert "U3: no patch in patches/series; on the pinned build: REPRODUCED" in out
 
 
 def test_patch_that_does_not_apply(tmp_path):
     bad = tmp_path / "bad.patch"
     bad.write_text("--- a/common/speculative.cpp\n+++ b/common/speculative.cpp\n@@ -1,1 +1,1 @@\n-no such line\n+x\n")
     with pytest.raises(RuntimeError, match="bad.patch does not apply to the pinned tree"):
-        patched.patched_tool(bad, tmp_path / "w")
+        patched.patched_build([bad])
+
+
+def test_series_naming_a_missing_patch(tmp_path):
+    (tmp_path / "series").write_text("# order\nu9-nothing.patch\n")
+    with pytest.raises(FileNotFoundError, match="no such patch: u9-nothing.patch"):
+        patched.series(tmp_path / "series")

@@ -131,12 +131,13 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-def run_pinned_converter(args: list[str], trust_saved_tokenizer: tuple[str, ...] = ()) -> None:
+def run_pinned_converter(args: list[str], trust_saved_tokenizer: tuple[str, ...] = (),
+                         script: str | os.PathLike | None = None) -> None:
     """Run the pinned `convert_hf_to_gguf.py` with its own gguf-py; raise with its stderr tail.
 
     trust_saved_tokenizer: model types whose saved tokenizer class transformers should keep
-    (families.Family.trust_saved_tokenizer)."""
-    script = paths.llama_cpp_dir() / "convert_hf_to_gguf.py"
+    (families.Family.trust_saved_tokenizer). script: another tree's converter (a patched copy)."""
+    script = Path(script) if script is not None else paths.llama_cpp_dir() / "convert_hf_to_gguf.py"
     env = dict(os.environ)
     env.pop("NO_LOCAL_GGUF", None)
     argv = ([sys.executable, "-c", _TRUST_SAVED_TOKENIZER, str(script), ",".join(trust_saved_tokenizer)]
