@@ -62,6 +62,25 @@ BOUNDS: dict[str, Bound] = {
                "of stage 1 is the precise one. A q4_1 target's captures: measured <= 3.0e-2"),
 }
 
+# Target architectures whose FFN activation ggml-cpu computes through an f16 table
+# (GGML_GELU_FP16, ggml-cpu/vec.h: f16(gelu(f16(x))), a relative rounding of up to 2^-11 per
+# activation), measured: the tiny gemma3 target's captures 2.0e-4 .. 5.0e-4 from transformers',
+# 3.7e-6 .. 7.2e-5 with the table emulated in transformers (docs/families.md). At f32 their
+# capture bound is GELU_TABLE_CAPTURE (4x the largest measured) instead of the type's.
+GELU_TABLE_ARCHS = frozenset({"gemma3"})
+GELU_TABLE_CAPTURE = 2e-3
+
+
+def capture_bound(target_cat: str, target_arch: str, hf: bool) -> float:
+    """The capture stage's bound for a target of bound category `target_cat` and GGUF architecture
+    `target_arch`, against transformers on the dequantised GGUF (hf False) or the HF weights."""
+    b = BOUNDS[target_cat]
+    bound = b.capture_hf if hf else b.capture
+    if target_arch in GELU_TABLE_ARCHS:
+        bound = max(bound, GELU_TABLE_CAPTURE)
+    return bound
+
+
 # precision order, best first: a file's category is its least precise matrix type
 ORDER = ("f32", "f16", "bf16", "q8_0", "q4")
 

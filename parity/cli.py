@@ -7,6 +7,7 @@
     dflash-llama parity --quant-study [-m T.gguf --draft-hf DIR] --out reports/NAME/quant/
     dflash-llama parity --default [--outtype f16]          # the embedded pair -> reports/smollm2-135m-dflash/
     dflash-llama parity --patch patches/u5-dflash-full-block.patch   # a fix, on a copy of the pinned tree
+    dflash-llama parity --all --patched    # on the pinned llama.cpp + patches/series
 
 Writes parity.md, parity.json and parity.png into --out; exits 1 when a stage fails (2 for bad
 input). Method and bounds: docs/parity.md.
@@ -59,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default pair unless --target/--draft-hf are given)")
     p.add_argument("--patch", type=Path, help="apply a patch (patches/*.patch) to a copy of the pinned llama.cpp, "
                                               "build the patched llama-speculative-simple and show the finding gone")
+    p.add_argument("--patched", action="store_true",
+                   help="run on a build of the pinned llama.cpp with patches/series applied (built once, cached): "
+                        "llama.cpp's graph, its speculative loop and our runtime's library; with --all, pairs "
+                        "whose finding a patch of the series fixes are expected to pass")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -75,10 +80,35 @@ def _config(args, target, draft, draft_hf, target_hf, name):
 
     if args.n_predict < 1:
         raise ValueError(f"--n-predict must be at least 1, got {args.n_predict}")
+    build = args.native_build  # None: the pinned build
     return ParityConfig(target=Path(target), draft=Path(draft), draft_hf=draft_hf and Path(draft_hf),
                         target_hf=target_hf and Path(target_hf), prompts=_prompts(args), name=name,
                         n_predict=args.n_predict, graph_prompts=args.graph_prompts, n_threads=args.threads,
-                        native=not args.no_native, end_to_end=not args.no_end_to_end)
+                        native=not args.no_native, end_to_end=not args.no_end_to_end,
+                        native_tool=build.tool("llama-speculative-simple") if build else None,
+                        native_build=_build_label(build))
+
+
+def _native_build(args):
+    """The build of llama.cpp's tools the native end-to-end stage runs: None (the pinned one), or the
+    pinned tree with patches/series."""
+    if not args.patched:
+        return None
+    from . import patched
+
+    if args.no_native:
+        raise ValueError("--patched runs llama.cpp's patched loop: it cannot go with --no-native")
+    from dflash_llama.toolbuild import CORE
+
+    build = patched.patched_build(tools=("llama-speculative-simple", CORE),
+                                  log=lambda m: None if args.quiet else print(m))
+    patched.use_core(build)  # the in-process llama.cpp graph (and our runtime) on the patched library too
+    print(f"llama.cpp: {_build_label(build)}")
+    return build
+
+
+def _build_label(build) -> str:
+    return f"patched ({', '.join(build.patches)})" if build else "pinned"
 
 
 def _summary(report: dict, paths: dict) -> str:
@@ -112,9 +142,14 @@ def run_one(args, target, draft, draft_hf, target_hf, out: Path, name: str, note
 def main(args) -> int:
     args.threads = threads(args.threads)  # a count: llama.cpp's tools and torch take one
     if args.patch:
+        if args.patched:
+            raise ValueError("--patch shows one patch on its own build; --patched runs parity on the whole series")
         from .patched import main as patched_main
 
         return patched_main([str(args.patch)])
+    if args.patched and args.quant_study:
+        raise ValueError("--patched applies to parity runs, not --quant-study")
+    args.native_build = _native_build(args)
     if args.quant_study:
         return _main_quant_study(args)
     if args.all:
@@ -197,16 +232,24 @@ def _main_all(args) -> int:
         report = run_one(args, res.target, res.draft, res.draft_hf, res.target_hf, out_root / pair.name,
                          pair.name)
         got = "pass" if report["passed"] else "fail"
-        if got == pair.expect:
-            verdict = got if pair.expect == "pass" else f"fail as expected ({pair.finding})"
+        patches = args.native_build.patches if args.native_build else ()
+        expect = pair.expected(patches)
+        if got == expect:
+            verdict = got if expect == "pass" else f"fail as expected ({pair.finding})"
+            if expect != pair.expect:
+                verdict += f" (fixed by {pair.patch})"
         else:
             ok = False
             verdict = (f"UNEXPECTED {got}" + (f": expected to fail ({pair.finding}); update the registry"
-                                              if pair.expect == "fail" else ""))
+                                              if expect == "fail" else
+                                              f": {pair.patch} should fix {pair.finding}" if pair.patch in patches
+                                              else ""))
         fd = report.get("first_divergence")
         rows.append((pair.name, verdict, fd["message"] if fd else ""))
     out_root.mkdir(parents=True, exist_ok=True)
-    lines = ["# Parity: every registry pair", "", "| pair | result | first divergence |", "|---|---|---|"]
+    lines = ["# Parity: every registry pair", "",
+             f"llama.cpp: {_build_label(args.native_build)} build.", "",
+             "| pair | result | first divergence |", "|---|---|---|"]
     lines += [f"| {n if v == 'skipped' else f'[{n}]({n}/parity.md)'} | {v} | {d.replace('|', '/')} |"
               for n, v, d in rows]
     (out_root / "summary.md").write_text("\n".join(lines) + "\n")

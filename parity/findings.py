@@ -104,12 +104,17 @@ def u2_last_layer_tap() -> bool:
     return r.returncode != 0 and "layer input tensor is null" in r.stderr
 
 
+def u3_fixture():
+    """A 2-layer draft whose layer 1 is a sliding-window layer (window 4, block 8)."""
+    return tiny_fixture("u3", layers=2, heads=4, kv_heads=1, target_layer_ids=[0, 2], block_size=8, seed=43,
+                        layer_types=["full_attention", "sliding_attention"], sliding_window=4)
+
+
 def u3_sliding_layers_non_causal() -> bool:
     """U3: sliding-window draft layers are causal in the published model, not in llama.cpp."""
     from .graph import rel_err
 
-    _, target, hf, gguf = tiny_fixture("u3", layers=2, heads=4, kv_heads=1, target_layer_ids=[0, 2], block_size=8,
-                                seed=43, layer_types=["full_attention", "sliding_attention"], sliding_window=4)
+    _, target, hf, gguf = u3_fixture()
     *_, ref, ours, native = _traces(target, gguf, hf)
     e_rt, e_nat = rel_err(ref["ffn_inp-1"], ours["ffn_inp-1"]), rel_err(ref["ffn_inp-1"], native["ffn_inp-1"])
     print(f"U3: sliding layer 1, ffn_inp-1 vs reference: runtime {e_rt:.1e}, llama.cpp {e_nat:.1e}")

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "patches"
 SERIES = PATCHES / "series"
 TOOLS = ("llama-speculative-simple", "llama-server")
+LAYOUT = "2"  # of a cached build: part of its key
 
 
 def series(path: str | os.PathLike = SERIES) -> list[Path]:
@@ -59,11 +60,17 @@ class Build:
     name: str  # "pinned" or "patched"
     tree: Path  # its llama.cpp tree (the converter, gguf-py)
     tools: dict[str, Path]
+    patches: tuple[str, ...] = ()  # applied to the pinned tree, in order
 
     def tool(self, name: str) -> Path:
         if name not in self.tools:
             raise ValueError(f"the {self.name} build has no {name}; it has {', '.join(self.tools)}")
         return self.tools[name]
+
+    @property
+    def core(self) -> Path:
+        """The build's extension module `dflash_llama._core` (our runtime on this llama.cpp)."""
+        return self.tool(toolbuild.CORE)
 
     @property
     def converter(self) -> Path:
@@ -130,12 +137,14 @@ def patched_build(patches: list[Path] | Path | None = None, tools: tuple[str, ..
         if not touched:
             raise ValueError(f"{patch}: no '+++ b/<file>' lines: not a unified diff against the llama.cpp tree")
         files += [f for f in touched if f not in files]
-    libs = sorted(build.glob("llama.cpp/**/*.a"))
-    key = _sha(*(p.name + "\n" + p.read_text() for p in patches), *tools,
+    libs = sorted(build.glob("**/*.a"))  # llama.cpp's and ours (the extension module links both)
+    key = _sha(LAYOUT, *(p.name + "\n" + p.read_text() for p in patches), *tools,
                *(f"{p}:{p.stat().st_mtime_ns}" for p in libs))
     root = (cache or cache_dir()) / "patched"
     work = root / key
-    result = Build("patched", work / "llama.cpp", {t: work / t for t in tools})
+    # laid out as a native folder (paths.native_dir): the module, bin/, llama.cpp/
+    outputs = {t: work / (toolbuild.link_name(build, t) if t == toolbuild.CORE else f"bin/{t}") for t in tools}
+    result = Build("patched", work / "llama.cpp", outputs, tuple(p.name for p in patches))
     if (work / "done").exists():
         return result
 
@@ -147,9 +156,17 @@ def patched_build(patches: list[Path] | Path | None = None, tools: tuple[str, ..
     try:
         _patched_tree(patches, files, tmp / "llama.cpp")
         objects = _objects(build, files, tmp / "llama.cpp", tmp, root / "objects", log)
+        (tmp / "bin").mkdir()
         for tool in tools:
             log(f"linking patched {tool}")
-            toolbuild.link_tool(build, tool, objects, tmp / tool, f"patched {tool}")
+            mine = [o for o, archive in objects if toolbuild.links(build, tool, archive)]
+            toolbuild.link_tool(build, tool, mine, tmp / outputs[tool].relative_to(work), f"patched {tool}")
+        if toolbuild.CORE in tools:  # the module finds its tools in bin/: the unpatched ones are the pinned
+            from dflash_llama.paths import PEER_TOOLS
+
+            for tool in PEER_TOOLS:
+                if tool not in tools and (build / "bin" / tool).exists():
+                    (tmp / "bin" / tool).symlink_to(build / "bin" / tool)
         (tmp / "done").write_text("\n".join(p.name for p in patches) + "\n")
         os.replace(tmp, work)
     finally:
@@ -157,10 +174,10 @@ def patched_build(patches: list[Path] | Path | None = None, tools: tuple[str, ..
     return result
 
 
-def _objects(build: Path, files: list[str], copy: Path, work: Path, objects_dir: Path, log) -> list[str]:
+def _objects(build: Path, files: list[str], copy: Path, work: Path, objects_dir: Path, log) -> list[tuple[str, str]]:
     """The objects of the translation units that compile the patched `files` (a file our build
     compiles inside a unity source: that unity source, once), each cached by its command and the
-    patched sources it compiles."""
+    patched sources it compiles, with the static library each replaces a member of."""
     pinned = toolbuild.PINNED.resolve()
     commands = toolbuild.compile_commands(build)
     headers = [rel for rel in files if not rel.endswith((".c", ".cpp", ".py"))]
@@ -186,8 +203,30 @@ def _objects(build: Path, files: list[str], copy: Path, work: Path, objects_dir:
                 os.replace(tmp, obj)
             finally:
                 tmp.unlink(missing_ok=True)
-        objects.append(str(obj))
+        objects.append((str(obj), toolbuild.archive_of(build, entry)))
     return objects
+
+
+def use_core(build: Build) -> None:
+    """Make `build`'s extension module this process's `dflash_llama._core`, so that our runtime, the
+    in-process llama.cpp graph and the tools it finds are that build's. Before any import of the
+    pinned module: a process holds one."""
+    import importlib.util
+
+    import dflash_llama
+
+    path = build.core
+    loaded = sys.modules.get("dflash_llama._core")
+    if loaded is not None:
+        if Path(loaded.__file__).resolve() == path.resolve():
+            return
+        raise RuntimeError(f"dflash_llama._core is already loaded from {loaded.__file__}: the {build.name} "
+                           "build's module must be loaded before anything uses the native module")
+    spec = importlib.util.spec_from_file_location("dflash_llama._core", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["dflash_llama._core"] = module
+    dflash_llama._core = module
 
 
 def patched_tool(patch, work: str | Path | None = None, tool: str = "llama-speculative-simple") -> Path:
@@ -274,8 +313,8 @@ def show_u1(patched: Build) -> dict:
     return out
 
 
-def _first_drafts(patched: Build, target: Path, draft: Path) -> dict:
-    """The first block's greedy draft from the patched tool's log and from our runtime (features of
+def _first_drafts(build: Build, target: Path, draft: Path) -> dict:
+    """The first block's greedy draft from the build's tool's log and from our runtime (features of
     the prompt minus its last token, the block opened by that token, as draft-dflash runs it)."""
     import dflash_llama
 
@@ -284,7 +323,7 @@ def _first_drafts(patched: Build, target: Path, draft: Path) -> dict:
 
     rt = dflash_llama.Runtime(target, draft, n_threads=1, n_ctx=256, kv_f32=True, compact_draft_head=False)
     n = rt.block_size - 1
-    tool = [t for t, _ in draft_log(patched.tool("llama-speculative-simple"), target, draft, PROMPT, n)[0]]
+    tool = [t for t, _ in draft_log(build.tool("llama-speculative-simple"), target, draft, PROMPT, n)[0]]
     tokens = rt.tokenize(PROMPT)
     block = [tokens[-1]] + [rt.mask_token_id] * n
     ours = drafted_tokens(rt.trace_draft(rt.capture(tokens[:-1]), block), rt.n_vocab)[:n]
@@ -310,6 +349,22 @@ def show_u2(patched: Build) -> dict:
 
     _, target, _, draft = tiny_fixture("u2", layers=1, target_layer_ids=[3], block_size=4, seed=42)
     return _show_capture(patched, target, draft, "tap on target layer 3 of 4")
+
+
+def show_u3(patched: Build) -> dict:
+    """U3 before and after: a draft whose layer 1 is a sliding-window layer (window 4, block 8; the
+    fixture of `findings U3`): the patched tool drafts what our runtime (and the reference) drafts."""
+    from .findings import u3_fixture
+
+    _, target, _, draft = u3_fixture()
+    out = {b.name: {**_greedy_pair(b.tool("llama-speculative-simple"), target, draft),
+                    **_first_drafts(b, target, draft)} for b in _builds(patched)}
+    same = {n: out[n]["tool"] == out[n]["runtime"] for n in ("pinned", "patched")}
+    out["fixed"] = not same["pinned"] and same["patched"] and out["patched"]["exact"]
+    out["lines"] = [f"{n:8s} sliding layer 1: first block drafted {out[n]['tool']}; our runtime drafts "
+                    f"{out[n]['runtime']}: {'same' if same[n] else 'DIFFERENT'}" for n in ("pinned", "patched")]
+    out["lines"] += _pair_lines(out, "sliding-window draft")
+    return out
 
 
 def show_u7(patched: Build) -> dict:
@@ -357,6 +412,7 @@ def show_u4(patched: Build) -> dict:
 
 # finding -> (its patch, the demonstration before and after)
 SHOW = {"U1": ("u1-dflash-default-target-layers.patch", show_u1), "U2": ("u2-dflash-last-layer-tap.patch", show_u2),
+        "U3": ("u3-dflash-causal-sliding-layers.patch", show_u3),
         "U4": ("u4-dflash1-logit-scale.patch", show_u4), "U5": ("u5-dflash-full-block.patch", show_u5),
         "U7": ("u7-gemma3-layer-inputs.patch", show_u7)}
 

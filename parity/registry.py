@@ -34,6 +34,11 @@ class Pair:
     finding: str | None = None
     family: str = "qwen3"  # kind = fixture: the tiny target's family (dflash_llama.families)
     skip: str | None = None  # why the pair cannot run today (printed; `--all` goes on)
+    patch: str | None = None  # expect = "fail": the patch (patches/series) that fixes the finding
+
+    def expected(self, patches: tuple[str, ...] = ()) -> str:
+        """"pass" or "fail" with llama.cpp's tools built with `patches` (none: the pinned build)."""
+        return "pass" if self.patch is not None and self.patch in patches else self.expect
 
 
 @dataclass
@@ -71,7 +76,10 @@ def load(path: str | os.PathLike = REGISTRY_PATH) -> tuple[list[Pair], dict]:
                           target=raw.get("target"), draft=raw.get("draft") if raw["kind"] == "files" else None,
                           draft_hf=raw.get("draft_hf"), target_hf=raw.get("target_hf"),
                           expect=raw.get("expect", "pass"), finding=raw.get("finding"), family=family,
-                          skip=raw.get("skip")))
+                          skip=raw.get("skip"), patch=raw.get("patch")))
+        if raw.get("patch") is not None and raw.get("expect") != "fail":
+            raise ValueError(f"{path}: pair {raw['name']}: patch names the fix of a finding: "
+                             f"it needs expect = \"fail\"")
     names = [p.name for p in pairs]
     dup = {n for n in names if names.count(n) > 1}
     if dup:

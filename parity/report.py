@@ -73,6 +73,7 @@ def markdown(r: dict, png_name: str = "parity.png") -> str:
               f"| target HF checkpoint | {('`' + i['target_hf'] + '`') if i['target_hf'] else '- (reference target: transformers GGUF loader, dequantised f32)'} |",
               f"| prompts | {len(i['prompts'])} ({', '.join(i['prompts'][:4])}{', ...' if len(i['prompts']) > 4 else ''}) |",
               f"| versions | dflash-llama {r['versions']['dflash_llama']}, llama.cpp {r['versions']['llama_cpp']} |",
+              f"| llama.cpp build | {i.get('native_build', 'pinned')} |",
               f"| created | {r['created']} |", ""]
     lines += ["| stage | status |", "|---|---|"]
     for key, title in (("converter", "1. converter"), ("capture", "2. capture"), ("graph", "3. draft graph"),

@@ -43,6 +43,8 @@ class ParityConfig:
     max_context: int = 192  # prompt tokens kept (longer prompts are cut from the left)
     n_threads: int = 1  # one: on a loaded machine ggml's spinning threads cost more than they give
     native: bool = True  # run llama.cpp's peer (graph and end to end)
+    native_tool: Path | None = None  # another build's llama-speculative-simple (a patched one)
+    native_build: str = "pinned"  # the llama.cpp this process and native_tool run, for the report
     end_to_end: bool = True
 
 
@@ -72,7 +74,11 @@ def tensor_types(path: Path) -> dict[str, str]:
     """GGUF tensor name -> its type name (f32, q8_0, ...)."""
     from dflash_llama import gguf_info
 
-    return {t.name: t.type for t in gguf_info(path).tensors}
+    return types_of(gguf_info(path))
+
+
+def types_of(info) -> dict[str, str]:
+    return {t.name: t.type for t in info.tensors}
 
 
 def head_type(target_types: dict[str, str]) -> str:
@@ -173,12 +179,12 @@ def layer_check(gguf_ids: list[int], hf_ids: list[int] | None) -> dict:
                        f"the HF config's target_layer_ids are {list(hf_ids)}"}
 
 
-def stage_capture(cfg: ParityConfig, rt, reference, target_cat: str, hf_ids: list[int] | None,
-                  progress) -> dict:
+def stage_capture(cfg: ParityConfig, rt, reference, target_cat: str, target_arch: str,
+                  hf_ids: list[int] | None, progress) -> dict:
     """Runtime features of every target layer against the reference target's hidden states."""
     check = layer_check(rt.target_layer_ids, hf_ids)
     source = cfg.target_hf or cfg.target
-    bound = B.BOUNDS[target_cat].capture_hf if cfg.target_hf else B.BOUNDS[target_cat].capture
+    bound = B.capture_bound(target_cat, target_arch, hf=cfg.target_hf is not None)
     tokens = keep_last(rt.tokenize(cfg.prompts[0].text), cfg.max_context)
     n_layer = rt.n_layer
     ours = rt.capture(tokens, list(range(n_layer))).reshape(len(tokens), n_layer, -1)
@@ -194,8 +200,8 @@ def stage_capture(cfg: ParityConfig, rt, reference, target_cat: str, hf_ids: lis
     failing = [r for r in layers if r["error"] > bound]
     status = "fail" if failing or check["status"] == "fail" else "pass"
     return {"status": status, "reference": "hf" if cfg.target_hf else "gguf", "reference_path": display_path(source),
-            "target_type": target_cat, "bound": bound, "n_tokens": len(tokens), "layers": layers,
-            "layer_check": check}
+            "target_type": target_cat, "target_arch": target_arch, "bound": bound, "n_tokens": len(tokens),
+            "layers": layers, "layer_check": check}
 
 
 # ---------------------------------------------------------------- stage 3: graph
@@ -339,7 +345,7 @@ def native_row(cfg: ParityConfig, text: str, n: int, block: int, n_ctx: int, ar_
 
     try:
         runs = [peers.speculative(cfg.target, text, n, "draft-dflash", draft=cfg.draft, n_max=n_max,
-                                  threads=cfg.n_threads, n_ctx=n_ctx, flash_attn=FLASH_ATTN)
+                                  threads=cfg.n_threads, n_ctx=n_ctx, flash_attn=FLASH_ATTN, exe=cfg.native_tool)
                 for n_max in (block - 1, 0)]
     except peers.PeerError as e:
         return {"tau": None, "greedy_exact": False, "error": str(e)}
@@ -475,7 +481,10 @@ def run_parity(cfg: ParityConfig, progress_bar: bool = True) -> dict:
     n_graph = min(cfg.graph_prompts, len(cfg.prompts))
     progress = Progress(1 + 1 + n_graph + (len(cfg.prompts) if cfg.end_to_end else 0), progress_bar)
     try:
-        target_types = tensor_types(Path(cfg.target))
+        from dflash_llama import gguf_info
+
+        target_info = gguf_info(cfg.target)
+        target_types = types_of(target_info)
         draft_types = tensor_types(Path(cfg.draft))
         target_cat = B.file_category(target_types)
         # a reduced vocabulary (d2t) multiplies by the draft's own head rows, else by the target's head
@@ -494,7 +503,8 @@ def run_parity(cfg: ParityConfig, progress_bar: bool = True) -> dict:
                        "draft_hf": display_path(cfg.draft_hf) if cfg.draft_hf else None,
                        "target_hf": display_path(cfg.target_hf) if cfg.target_hf else None,
                        "prompts": [p.id for p in cfg.prompts], "n_predict": cfg.n_predict,
-                       "reference_weights": "hf" if cfg.draft_hf else "gguf"},
+                       "reference_weights": "hf" if cfg.draft_hf else "gguf",
+                       "native_build": cfg.native_build},
             "types": {"draft": draft_cat, "target": target_cat, "head": head,
                       "head_category": B.category(head)},
             "stages": {},
@@ -502,7 +512,8 @@ def run_parity(cfg: ParityConfig, progress_bar: bool = True) -> dict:
         report["stages"]["converter"] = stage_converter(cfg)
         progress.step("converter")
         reference_target = load_reference_target(cfg.target_hf or cfg.target)
-        report["stages"]["capture"] = stage_capture(cfg, rt, reference_target, target_cat, hf_ids, progress)
+        report["stages"]["capture"] = stage_capture(cfg, rt, reference_target, target_cat,
+                                                    target_info.architecture, hf_ids, progress)
 
         tw = target_weights_from_gguf(cfg.target)
         ref_draft = load_draft(cfg.draft_hf or cfg.draft, tw.embed_tokens, tw.lm_head)

@@ -4,7 +4,10 @@ finding's divergence where users run llama.cpp (its tools), and the pinned tree 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import subprocess
+import sys
 
 import pytest
 
@@ -37,17 +40,20 @@ def build():
 def test_series_names_every_patch_in_order():
     names = [p.name for p in patched.series()]
     assert names == ["u1-dflash-default-target-layers.patch", "u2-dflash-last-layer-tap.patch",
-                     "u4-dflash1-logit-scale.patch", "u5-dflash-full-block.patch", "u7-gemma3-layer-inputs.patch"]
+                     "u3-dflash-causal-sliding-layers.patch", "u4-dflash1-logit-scale.patch",
+                     "u5-dflash-full-block.patch", "u7-gemma3-layer-inputs.patch"]
     assert sorted(names) == sorted(p.name for p in patched.PATCHES.glob("*.patch"))
-    assert {f for f, (patch, _) in patched.SHOW.items()} == {"U1", "U2", "U4", "U5", "U7"}
+    assert {f: patch for f, (patch, _) in patched.SHOW.items()} == {
+        f"U{n[1]}": n for n in names}  # one patch per finding, every finding of findings.py patched
+    assert set(patched.SHOW) == set(findings.FINDINGS)
 
 
 def test_series_builds_only_the_touched_units_then_comes_from_the_cache(build):
     build, first_log = build
     assert sorted(m for m in first_log if m.startswith("compiling")) == [
         "compiling patched common/speculative.cpp", "compiling patched src/llama-graph.cpp",
-        "compiling patched src/llama-model.cpp", "compiling patched src/models/dflash.cpp",
-        "compiling patched src/models/gemma3.cpp"]
+        "compiling patched src/llama-kv-cache.cpp", "compiling patched src/llama-model.cpp",
+        "compiling patched src/models/dflash.cpp", "compiling patched src/models/gemma3.cpp"]
     again: list[str] = []
     assert patched.patched_build(log=again.append) == build and again == []
     # one patch less: a new build, every object reused (incremental over the series)
@@ -88,11 +94,54 @@ def test_u4_and_u5_gone(build):
     assert u4["fixed"] and u5["fixed"]
 
 
-def test_findings_patched_counts_what_is_not_fixed(build, capsys):
-    assert findings.main(["--patched", "U3", "U7"]) == 1  # U3 has no patch and reproduces; U7 is fixed
+def test_u3_sliding_layers_draft_as_our_runtime(build):
+    build, _ = build
+    u3 = patched.show_u3(build)
+    assert u3["pinned"]["tool"] != u3["pinned"]["runtime"]  # the sliding layer ran non-causally
+    assert u3["patched"]["tool"] == u3["patched"]["runtime"] and len(u3["patched"]["tool"]) == 7
+    assert u3["patched"]["exact"] and u3["fixed"]
+
+
+def test_findings_patched_counts_what_is_not_fixed(build, capsys, monkeypatch):
+    assert findings.main(["--patched", "U3", "U7"]) == 0
     out = capsys.readouterr().out
+    assert "U3: reproduced on the pinned build, fixed on the patched build" in out
     assert "U7: reproduced on the pinned build, fixed on the patched build" in out
+    # a finding whose patch is not in the series is run on the pinned build, and counts
+    without_u3 = [p for p in patched.series() if not p.name.startswith("u3-")]
+    monkeypatch.setattr(patched, "series", lambda: without_u3)
+    assert findings.main(["--patched", "U3", "U7"]) == 1
+    out = capsys.readouterr().out
     assert "U3: no patch in patches/series; on the pinned build: REPRODUCED" in out
+
+
+def test_parity_all_patched_passes_the_expected_fail_pairs(build, tmp_path):
+    """The registry's expected-fail pairs (U3, U2, U7) pass three-way parity on the patched build:
+    the in-process llama.cpp graph and llama-speculative-simple both from the series."""
+    names = ["tiny-sliding", "tiny-last-layer-tap", "tiny-gemma3-f32"]
+    r = subprocess.run([sys.executable, "-m", "dflash_llama.cli", "parity", "--all", "--patched", "--quiet",
+                        "--limit", "1", "-n", "16", "--only", ",".join(names), "--out", str(tmp_path)],
+                       capture_output=True, text=True, env=os.environ)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {row["pair"]: row["result"] for row in json.loads((tmp_path / "summary.json").read_text())}
+    assert rows == {"tiny-sliding": "pass (fixed by u3-dflash-causal-sliding-layers.patch)",
+                    "tiny-last-layer-tap": "pass (fixed by u2-dflash-last-layer-tap.patch)",
+                    "tiny-gemma3-f32": "pass (fixed by u7-gemma3-layer-inputs.patch)"}
+    report = json.loads((tmp_path / "tiny-sliding" / "parity.json").read_text())
+    assert report["inputs"]["native_build"].startswith("patched (u1-dflash-default-target-layers.patch, ")
+    graph = report["stages"]["graph"]
+    assert graph["status"] == "pass" and graph["errors"]["reference/native"]["ffn_inp-1"] < 1e-5
+    e2e = report["stages"]["end_to_end"]["prompts"][0]["native"]
+    assert e2e["greedy_exact"] and "error" not in e2e
+
+
+def test_the_patched_module_cannot_replace_a_loaded_one(build):
+    import dflash_llama
+
+    dflash_llama.llama_cpp_commit()  # the pinned module is loaded in this process
+    core = patched.patched_build(tools=("llama-speculative-simple", "_core"), log=lambda m: None)
+    with pytest.raises(RuntimeError, match="dflash_llama._core is already loaded from .*: the patched build's module"):
+        patched.use_core(core)
 
 
 def test_patch_that_does_not_apply(tmp_path):

@@ -21,6 +21,14 @@ def test_the_shipped_registry_loads():
     assert {p.family for p in pairs[:5]} == {"qwen3"}
     assert {p.name: p.finding[:3] for p in pairs if p.expect == "fail"} == {
         "tiny-sliding": "U3:", "tiny-last-layer-tap": "U2:", "tiny-gemma3-f32": "U7:"}
+    # each expected failure names the patch of the series that fixes it, and passes with it
+    from dflash_llama.parity import patched
+
+    series = tuple(p.name for p in patched.series())
+    fails = [p for p in pairs if p.expect == "fail"]
+    assert all(p.patch in series and p.patch.startswith(p.finding[:2].lower()) for p in fails)
+    assert {p.expected(series) for p in pairs if p.kind == "fixture"} == {"pass"}
+    assert {p.expected() for p in fails} == {"fail"}
     assert {p.name for p in pairs if p.skip} == set()  # every pair runs
     assert [p.outtype for p in pairs if p.kind == "default"] == ["f32", "f16", "q8_0"]
     assert defaults == {"draft_dir": "smollm2-135m-dflash"}
@@ -47,6 +55,9 @@ def test_bad_registries(tmp_path):
         registry.load(bad)
     bad.write_text('[[pair]]\nname = "x"\nkind = "other"\n')
     with pytest.raises(ValueError, match="pair 0 needs a name and kind = fixture, default or files"):
+        registry.load(bad)
+    bad.write_text('[[pair]]\nname = "x"\nkind = "files"\npatch = "u9.patch"\n')
+    with pytest.raises(ValueError, match=r'pair x: patch names the fix of a finding: it needs expect = "fail"$'):
         registry.load(bad)
     bad.write_text('[[pair]]\nname = "x"\nkind = "files"\n[[pair]]\nname = "x"\nkind = "files"\n')
     with pytest.raises(ValueError, match=r"pair names must be unique, repeated: \['x'\]"):

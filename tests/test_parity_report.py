@@ -86,6 +86,13 @@ def test_docs_table_is_the_bounds_table():
         assert rows[cat] == [b.weights, b.capture, b.capture_hf, b.graph, b.graph_same, b.head], cat
 
 
+def test_capture_bound_allows_for_the_gelu_table_of_gemma3_only():
+    assert B.capture_bound("f32", "qwen3", hf=False) == 1e-4
+    assert B.capture_bound("f32", "gemma3", hf=False) == B.GELU_TABLE_CAPTURE == 2e-3
+    assert B.capture_bound("q4", "gemma3", hf=True) == 0.5  # the type's bound, when it is wider
+    assert "capture bound of 2e-3 at f32\n(`bounds.GELU_TABLE_CAPTURE`" in DOCS.read_text()
+
+
 def test_categories():
     assert [B.category(t) for t in ("F32", "f16", "bf16", "q8_0", "q4_0", "q4_K", "q6_K", "iq4_nl")] == \
         ["f32", "f16", "bf16", "q8_0", "q4", "q4", "q4", "q4"]

@@ -73,22 +73,53 @@ def compile_object(args: list[str], entry: dict, what: str) -> None:
         raise RuntimeError(f"compiling {what} failed:\n{r.stderr[-2000:]}")
 
 
+CORE = "_core"  # the Python extension module, linked like a tool (parity/patched.py links a patched one)
+
+
 def link_rule(build: Path, tool: str) -> re.Match:
-    """The ninja rule that links `tool` in `build` (its main object, then its variables)."""
+    """The ninja rule that links `tool` (a tool, or CORE: the extension module) in `build`: its
+    output, its own objects, then its variables."""
     ninja = (build / "build.ninja").read_text()
-    rule = rf"^build bin/{re.escape(tool)}: CXX_EXECUTABLE_LINKER\S* (\S+\.o)[^\n]*\n((?:  [^\n]*\n)+)"
+    out = rf"{re.escape(tool)}\.cpython[^:\s]*\.so" if tool == CORE else rf"bin/{re.escape(tool)}"
+    linker = r"(?:CXX_EXECUTABLE_LINKER|CXX_MODULE_LIBRARY_LINKER)\S*"
+    rule = rf"^build ({out}): {linker} ((?:\S+\.o )*\S+\.o)[^\n]*\n((?:  [^\n]*\n)+)"
     m = re.search(rule, ninja, re.M)
     if m is None:
         raise ValueError(f"{tool} is not built by our build (DFLASH_LLAMA_PEER_TOOLS=ON)")
     return m
 
 
+def archive_of(build: Path, entry: dict) -> str:
+    """The static library of our build (path relative to `build`) that holds the object `entry`
+    (a compile_commands.json entry) compiles."""
+    obj = os.path.relpath(entry["output"], entry["directory"]) if "output" in entry else None
+    ninja = (build / "build.ninja").read_text()
+    m = obj and re.search(rf"^build (\S+\.a): \w*STATIC_LIBRARY_LINKER\S*[^\n]* {re.escape(obj)}(?=[ \n])", ninja, re.M)
+    if not m:
+        raise ValueError(f"{entry['file']}: its object is in no static library of our build")
+    return m.group(1)
+
+
+def links(build: Path, tool: str, archive: str) -> bool:
+    """Whether `tool` links the static library `archive` (as archive_of names it)."""
+    variables = dict(re.findall(r"^  (\w+) = (.*)$", link_rule(build, tool).group(3), re.M))
+    return archive in variables["LINK_LIBRARIES"].split()
+
+
+def link_name(build: Path, tool: str) -> str:
+    """The file name `tool` links to (the extension module's carries the Python ABI tag)."""
+    return Path(link_rule(build, tool).group(1)).name
+
+
 def link_tool(build: Path, tool: str, objects: list[str], exe: Path, what: str) -> Path:
     """Link `tool` as our build links it, with `objects` ahead of the build's libraries."""
     m = link_rule(build, tool)
-    variables = dict(re.findall(r"^  (\w+) = (.*)$", m.group(2), re.M))
+    variables = dict(re.findall(r"^  (\w+) = (.*)$", m.group(3), re.M))
     libs = [str(build / x) if not x.startswith(("-", "/")) else x for x in variables["LINK_LIBRARIES"].split()]
-    cmd = ["g++", *variables.get("FLAGS", "").split(), str(build / m.group(1)), *objects, *libs, "-o", str(exe)]
+    flags = variables.get("FLAGS", "").split() if tool != CORE else \
+        ["-fPIC", *variables.get("LANGUAGE_COMPILE_FLAGS", "").split(), *variables.get("LINK_FLAGS", "").split()]
+    own = [str(build / o) for o in m.group(2).split()]
+    cmd = ["g++", *flags, *own, *objects, *libs, "-o", str(exe)]
     r = subprocess.run(cmd, cwd=build, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"linking {what} failed:\n{r.stderr[-2000:]}")
