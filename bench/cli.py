@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stock-build", action="store_true",
                    help="with --native, also run llama.cpp's native DFlash from a stock build of the pin "
                         "(llamafile's sgemm on, as llama.cpp builds by default; made once from our build, cached)")
+    p.add_argument("--patched", action="store_true",
+                   help="run the serving phase's llama-server from the pinned llama.cpp with patches/series "
+                        "applied (docs/upstream_status.md; built once from our build, cached)")
     p.add_argument("--server", action=argparse.BooleanOptionalAction,
                    help="also benchmark llama-server with native DFlash at --server-concurrency "
                         "(default: on; off with --target-types)")
@@ -136,6 +139,8 @@ def command_line(args: argparse.Namespace, target: str, draft_arg: str | None, o
         parts += ["--ngram-types", args.ngram_types, "--native" if args.native else "--no-native"]
         if args.stock_build:
             parts += ["--stock-build"]
+        if args.patched:
+            parts += ["--patched"]
     parts += ["--pilot-prompts", str(args.pilot_prompts), "--calibration-tokens", str(args.calibration_tokens)]
     if args.full_bench:
         parts += ["--server", "--server-concurrency", ",".join(map(str, args.server_concurrency)),
@@ -166,6 +171,9 @@ def _check(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"{name} must be at least {low}, got {value}")
     if args.stock_build and not args.native:
         raise ValueError("--stock-build runs llama.cpp's native DFlash: it needs --native "
+                         "(off with --target-types unless asked)")
+    if args.patched and not args.server:
+        raise ValueError("--patched runs the serving phase on the patched llama-server: it needs --server "
                          "(off with --target-types unless asked)")
     ngram = [] if args.ngram_types == "none" else [t for t in args.ngram_types.split(",") if t]
     bad = [t for t in ngram if t not in _ngram_types()]
@@ -201,7 +209,7 @@ def run(args: argparse.Namespace) -> tuple[dict, Path]:
     settings = Settings(target=target, draft=draft, prompts=chosen, pilot=pilot, n_predict=args.n_predict,
                         block_sizes=args.block_sizes, draft_max=args.draft_max, threads=args.threads,
                         n_ctx=args.ctx_size, ngram_types=ngram, native=args.native, stock=args.stock_build,
-                        server=args.server,
+                        server=args.server, patched_server=args.patched,
                         server_concurrency=args.server_concurrency, server_prompts=args.server_prompts,
                         calibration_tokens=args.calibration_tokens, n_gpu_layers=args.n_gpu_layers,
                         deadline=started + 60.0 * args.budget_min if args.budget_min > 0 else None)

@@ -239,7 +239,11 @@ def render(res: dict, command: str, plots: list[str]) -> str:
 
     srv = res.get("server")
     if srv:
-        add("## Serving: llama-server with native DFlash\n")
+        patches = srv.get("patches") or []
+        add("## Serving: llama-server with native DFlash" + (", patched build" if patches else "") + "\n")
+        if patches:
+            add(f"llama-server built from the pinned llama.cpp with the patch series applied "
+                f"(docs/upstream_status.md): {', '.join(f'`{p}`' for p in patches)}.\n")
         add(f"`/v1/completions`, greedy, {len(srv['prompts'])} of the benchmark prompts ({', '.join(srv['prompts'])}) "
             f"and -n {s['n_predict']} at each concurrency; `--spec-draft-n-max {srv['n_max']}`, the fastest native "
             f"setting of this run. Throughput = completion tokens / wall time of the level; latency per request "

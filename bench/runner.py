@@ -100,6 +100,7 @@ class Settings:
     server: bool = True
     server_concurrency: list[int] = field(default_factory=lambda: [1, 2, 4])
     server_prompts: int = 8  # benchmark prompts sent at each concurrency level
+    patched_server: bool = False  # the serving phase's llama-server from the pinned tree + patches/series
     calibration_tokens: int = 32
     n_gpu_layers: int = 0  # target layers on the GPU, ours and the peers' alike (-1: all)
     deadline: float | None = None  # time.monotonic() by which the run must be done (None: no budget)
@@ -206,6 +207,7 @@ class Bench:
             raise ValueError(f"prompt {too_long[0][0]} has {too_long[0][1]} tokens: with -n {s.n_predict} it does "
                              f"not fit the context of {s.n_ctx} tokens (raise --ctx-size)")
         self._stock_exe: Path | None = None
+        self._patched = None  # parity.patched.Build of llama-server, once made
 
     def stock_exe(self) -> Path:
         """llama-speculative-simple from a stock build of the pin, made (or found cached) once."""
@@ -214,6 +216,15 @@ class Bench:
 
             self._stock_exe = toolbuild.stock_tool("llama-speculative-simple")
         return self._stock_exe
+
+    def patched_server(self):
+        """llama-server built from the pinned tree with patches/series (parity.patched), made once."""
+        if self._patched is None:
+            from dflash_llama.parity import patched
+
+            self._patched = patched.patched_build(tools=("llama-server",), log=lambda m: None)
+        return self._patched
+
 
     # -- planning -----------------------------------------------------------------------------
     def count_runs(self) -> dict[str, int]:
@@ -364,9 +375,10 @@ class Bench:
 
         prompts = [(p.id, p.text) for p in spread(done, s.server_prompts)]
         levels = []
+        exe = self.patched_server().tool("llama-server") if s.patched_server else None
         with server.LlamaServer(s.target, s.draft, threads=s.threads, n_ctx=s.n_ctx,
                                 n_parallel=max(s.server_concurrency), n_max=n_max,
-                                n_gpu_layers=s.n_gpu_layers) as srv:
+                                n_gpu_layers=s.n_gpu_layers, exe=exe) as srv:
             command = srv.cmd
             for c in s.server_concurrency:
                 res = server.load_test(srv.url, prompts, s.n_predict, c,
@@ -381,7 +393,10 @@ class Bench:
                 summary["requests_detail"] = reqs
                 levels.append(summary)
             pid = srv.pid
-        return {"command": command, "n_max": n_max, "pid": pid, "prompts": [p[0] for p in prompts], "levels": levels}
+        patches = list(self.patched_server().patches) if s.patched_server else []
+        return {"command": command, "build": "patched" if patches else "pinned", "patches": patches,
+                "n_max": n_max, "pid": pid,
+                "prompts": [p[0] for p in prompts], "levels": levels}
 
     # -- everything -----------------------------------------------------------------------------
     def server_n_max(self, rows: list[dict], methods: list[Method]) -> int:
@@ -412,6 +427,8 @@ class Bench:
         load_start = _loadavg()
         if self.s.native and self.s.stock:
             self.stock_exe()  # a failing build fails before anything is measured
+        if self.s.server and self.s.patched_server:
+            self.patched_server()
         self.warmup()
         cm = self.cost_model()
         pick = cm["pick"]["n_draft"] if s.draft_max == "auto" else int(s.draft_max)
@@ -469,7 +486,7 @@ class Bench:
                          "stopped_by_budget": n_done < len(s.prompts), "server_prompts": s.server_prompts,
                          "draft_block_size": self.block_size, "draft_max": s.draft_max, "threads": s.threads,
                          "n_ctx": s.n_ctx, "ngram_types": s.ngram_types, "native": s.native,
-                         "stock_build": s.stock,
+                         "stock_build": s.stock, "patched_server": s.patched_server,
                          "server": s.server, "server_concurrency": s.server_concurrency,
                          "prompts": [{"id": p.id, "n_tokens": len(self.tokens[p.id])} for p in s.prompts
                                      if p.id in texts],

@@ -55,13 +55,13 @@ class LlamaServer:
 
     def __init__(self, target: str, draft: str | None = None, *, threads: int, n_ctx: int, n_parallel: int = 1,
                  spec_type: str = "draft-dflash", n_max: int | None = None, n_gpu_layers: int = 0,
-                 startup_timeout_s: float = 120.0, extra_args: Sequence[str] = ()):
+                 startup_timeout_s: float = 120.0, extra_args: Sequence[str] = (), exe=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # -fa off, as every tool of the bench: CPU flash attention is not batch-invariant
         self.cmd = peers.server_command(target, port=self.port, threads=threads, n_ctx=n_ctx, n_parallel=n_parallel,
                                         draft=draft, spec_type=spec_type, n_max=n_max, flash_attn="off",
-                                        n_gpu_layers=n_gpu_layers, extra_args=extra_args)
+                                        n_gpu_layers=n_gpu_layers, extra_args=extra_args, exe=exe)
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
         self.last_pid: int | None = None  # the pid of the server once stopped, for checks

@@ -80,7 +80,8 @@ def test_bench_json_schema(bench_run):
                 "median_prompt_speedup_vs_llama-completion", "exact", "all_exact", "prompts"} <= set(it)
     assert {"costs", "predictions", "pick", "survival", "used_n_draft", "measured_key", "checks",
             "autoregressive_tokens_per_second"} <= set(res["cost_model"])
-    assert set(res["server"]) == {"command", "n_max", "pid", "prompts", "levels"}
+    assert set(res["server"]) == {"command", "build", "patches", "n_max", "pid", "prompts", "levels"}
+    assert (res["server"]["build"], res["server"]["patches"]) == ("pinned", [])
     assert {"concurrency", "throughput_tokens_per_second", "latency_s", "exact", "requests_detail"} <= \
         set(res["server"]["levels"][0])
     assert set(res["server"]["levels"][0]["latency_s"]) == {"mean", "p50", "p90", "p99", "max"}
@@ -195,6 +196,9 @@ def test_bad_arguments_exit_2(capsys, tiny_target_gguf, tmp_path):
     assert cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tmp_path),
                      "--ngram-types", "ngram-bogus"]) == 2
     assert "unknown n-gram type 'ngram-bogus'" in capsys.readouterr().err
+    assert cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tmp_path), "--patched",
+                     "--no-server"]) == 2
+    assert "--patched runs the serving phase on the patched llama-server: it needs --server" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["bench", "--block-sizes", "1,4"])
     assert "--block-sizes must be integers >= 2" in capsys.readouterr().err

@@ -135,6 +135,25 @@ def test_parity_all_patched_passes_the_expected_fail_pairs(build, tmp_path):
     assert e2e["greedy_exact"] and "error" not in e2e
 
 
+def test_bench_patched_serves_the_pair_with_the_patched_server(build, tiny_target_gguf, tiny_draft_hf, tmp_path):
+    from dflash_llama import cli
+
+    out = tmp_path / "bench"
+    assert cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tiny_draft_hf), "--limit", "2",
+                     "-n", "12", "-t", "1", "--block-sizes", "4", "--ngram-types", "none", "--no-native",
+                     "--pilot-prompts", "2", "--calibration-tokens", "6", "--server-concurrency", "1",
+                     "--patched", "--out", str(out)]) == 0
+    res = json.loads((out / "bench.json").read_text())
+    srv = res["server"]
+    assert srv["build"] == "patched" and srv["patches"] == [p.name for p in patched.series()]
+    assert srv["command"][0].endswith("/bin/llama-server") and "/patched/" in srv["command"][0]
+    assert [(lv["concurrency"], lv["requests"], lv["exact"]) for lv in srv["levels"]] == [(1, 2, 2)]
+    assert "--patched" in res["command"] and res["settings"]["patched_server"] is True
+    md = (out / "bench.md").read_text()
+    assert "## Serving: llama-server with native DFlash, patched build" in md
+    assert "`u3-dflash-causal-sliding-layers.patch`" in md
+
+
 def test_the_patched_module_cannot_replace_a_loaded_one(build):
     import dflash_llama
 

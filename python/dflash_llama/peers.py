@@ -226,10 +226,10 @@ def speculative_plain(target, prompt: str, n_predict: int, *, threads: int, n_ct
 
 def server_command(target, *, port: int, threads: int, n_ctx: int, n_parallel: int = 1, draft=None,
                    spec_type: str = "draft-dflash", n_max: int | None = None, flash_attn: str = "off",
-                   n_gpu_layers: int = 0, extra_args: Sequence[str] = ()) -> list[str]:
+                   n_gpu_layers: int = 0, extra_args: Sequence[str] = (), exe=None) -> list[str]:
     """The llama-server command line on 127.0.0.1:`port`; `n_ctx` is per slot (the server splits its
-    context between its `n_parallel` slots)."""
-    cmd = [str(paths.tool("llama-server")), "-m", os.fspath(target), "--host", "127.0.0.1", "--port", str(port),
+    context between its `n_parallel` slots). `exe`: another build of the server (a patched one)."""
+    cmd = [str(exe or paths.tool("llama-server")), "-m", os.fspath(target), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx * n_parallel), "-np", str(n_parallel),
            "--no-webui", "-fa", flash_attn, *gpu_flags(n_gpu_layers, draft=draft is not None)]
     if draft is not None:
