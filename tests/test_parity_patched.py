@@ -154,6 +154,26 @@ def test_bench_patched_serves_the_pair_with_the_patched_server(build, tiny_targe
     assert "`u3-dflash-causal-sliding-layers.patch`" in md
 
 
+def test_patched_server_drafts_alike_at_every_concurrency(build):
+    """U5 runs the whole block with logits on the drafted positions only: with two sequences in one
+    draft batch, each must read its own rows (the acceptance of the same requests does not depend
+    on how many run at once, as with the pinned server)."""
+    from dflash_llama import fixtures, prompts
+    from dflash_llama.bench import server
+    from dflash_llama.bench.cli import draft_and_name
+
+    build, _ = build
+    target = str(fixtures.smollm2_gguf())
+    draft, _ = draft_and_name(None, target)
+    requests = [(p.id, p.text) for p in prompts.spread(prompts.load("humaneval"), 4)]
+    rates = {}
+    with server.LlamaServer(target, draft, threads=2, n_ctx=1024, n_parallel=2, n_max=3,
+                            exe=build.tool("llama-server")) as srv:
+        for c in (1, 2):
+            rates[c] = server.load_test(srv.url, requests, 32, c).summary()["acceptance_rate"]
+    assert rates[1] == rates[2] and rates[1] > 0.2, rates
+
+
 def test_the_patched_module_cannot_replace_a_loaded_one(build):
     import dflash_llama
 
