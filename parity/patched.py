@@ -7,11 +7,14 @@ cached under `$DFLASH_LLAMA_CACHE/patched/<key>/` by the patches' bytes and our 
 translation units the patches touch compile, each with the exact command of our build
 (compile_commands.json, paths moved to the copy), and their objects are cached by what they
 compile, so changing one patch of the series recompiles only its files; the tools
-(`llama-speculative-simple`, `llama-server`) are linked from them and the build's other objects.
+(`llama-speculative-simple`, `llama-server`, and on request our extension module `_core`, for
+`use_core`) are linked from them and the build's other objects, each object only into what links
+its library. The build is laid out as a native folder (the module, `bin/`, `llama.cpp/`).
 Headers a patch touches are seen by the touched files only (enough for the series shipped here).
 The patched converter is the copy's own `convert_hf_to_gguf.py`.
 
-    python -m dflash_llama.parity.patched                    # the whole series: every finding before and after
+    python -m dflash_llama.parity.patched       # the whole series: every finding before and after,
+                                                # then every registry fixture pair exact through it
     python -m dflash_llama.parity.patched patches/u5-dflash-full-block.patch
 """
 
@@ -263,21 +266,23 @@ def _builds(patched: Build) -> tuple[Build, Build]:
     return pinned_build(), patched
 
 
-def _greedy_pair(exe: Path, target: Path, draft: Path) -> dict:
+def _greedy_pair(exe: Path, target: Path, draft: Path, prompt: str | None = None, n_predict: int = 16,
+                 n_max: int = 3) -> dict:
     """draft-dflash against the same tool drafting nothing, greedy, `-fa off`: exit status, and
     whether the texts are equal (token for token: one tokenizer, the texts compared whole)."""
     from dflash_llama import peers
 
     from .findings import PROMPT
 
-    runs = [peers.run_tool(peers.speculative_command(target, PROMPT, 16, "draft-dflash", draft=draft, n_max=n_max,
-                                                     threads=1, n_ctx=256, flash_attn="off", exe=exe))
-            for n_max in (3, 0)]
+    prompt = prompt or PROMPT
+    runs = [peers.run_tool(peers.speculative_command(target, prompt, n_predict, "draft-dflash", draft=draft,
+                                                     n_max=n, threads=1, n_ctx=1024, flash_attn="off", exe=exe))
+            for n in (n_max, 0)]
     if not all(r.ok for r in runs):
         bad = next(r for r in runs if not r.ok)
         lines = [ln.strip() for ln in bad.stderr.splitlines() if "GGML_ASSERT" in ln or "error" in ln.lower()]
         return {"exit": bad.returncode, "exact": False, "error": (lines or [bad.log_tail()])[-1]}
-    texts = [peers.parse_speculative(r.stdout, r.stderr, PROMPT, 16).text for r in runs]
+    texts = [peers.parse_speculative(r.stdout, r.stderr, prompt, n_predict).text for r in runs]
     return {"exit": 0, "exact": bool(texts[0]) and texts[0] == texts[1]}
 
 
@@ -410,6 +415,33 @@ def show_u4(patched: Build) -> dict:
     return out
 
 
+def fixtures_exact(build: Build, n_prompts: int = 3, n_predict: int = 24) -> dict[str, dict]:
+    """Every fixture pair of the registry (a tiny target of each family, the SWA draft, the last-layer
+    tap) through `build`'s llama-speculative-simple, greedy, `-fa off`: DFlash at the draft's whole
+    block against the same tool drafting nothing, on `n_prompts` HumanEval prompts. Pair name ->
+    {family, exact (count), prompts, errors}."""
+    from dflash_llama import gguf_info, prompts
+
+    from . import registry
+
+    pairs, defaults = registry.load()
+    texts = [p.text for p in prompts.spread(prompts.load("humaneval"), n_prompts)]
+    exe = build.tool("llama-speculative-simple")
+    out = {}
+    for pair in (p for p in pairs if p.kind == "fixture"):
+        r = registry.resolve(pair, defaults)
+        n_max = int(gguf_info(r.draft).get("dflash.block_size", 16)) - 1
+        runs = [_greedy_pair(exe, r.target, r.draft, t, n_predict, n_max) for t in texts]
+        out[pair.name] = {"family": pair.family, "exact": sum(x["exact"] for x in runs), "prompts": len(runs),
+                          "errors": sorted({x["error"] for x in runs if x.get("error")})}
+    return out
+
+
+def _fixture_lines(build: Build, result: dict[str, dict]) -> list[str]:
+    return [f"{build.name:8s} {name} ({r['family']}): DFlash == drafting nothing on {r['exact']}/{r['prompts']} "
+            f"prompts (-fa off)" + (f"; {r['errors'][0]}" if r["errors"] else "") for name, r in result.items()]
+
+
 # finding -> (its patch, the demonstration before and after)
 SHOW = {"U1": ("u1-dflash-default-target-layers.patch", show_u1), "U2": ("u2-dflash-last-layer-tap.patch", show_u2),
         "U3": ("u3-dflash-causal-sliding-layers.patch", show_u3),
@@ -444,7 +476,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         findings = [by_patch[p.name] for p in patches]
     build = patched_build(patches)
-    return show(findings, build)
+    failed = show(findings, build)
+    if not argv:  # the whole series: every fixture pair exact through the patched tool
+        exact = fixtures_exact(build)
+        print("\n".join(_fixture_lines(build, exact)))
+        failed += sum(r["exact"] < r["prompts"] for r in exact.values())
+    return failed
 
 
 if __name__ == "__main__":

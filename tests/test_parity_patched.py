@@ -102,6 +102,18 @@ def test_u3_sliding_layers_draft_as_our_runtime(build):
     assert u3["patched"]["exact"] and u3["fixed"]
 
 
+def test_every_fixture_pair_is_exact_through_the_patched_tool(build):
+    """llama-speculative-simple of the series, greedy, -fa off, the draft's whole block: the same
+    text as drafting nothing on a tiny target of every family, the SWA draft and the last-layer tap."""
+    from dflash_llama import families
+
+    build, _ = build
+    result = patched.fixtures_exact(build)
+    assert {r["family"] for r in result.values()} == set(families.NAMES)
+    assert {"tiny-sliding", "tiny-last-layer-tap", "tiny-gemma3-f32"} <= set(result)
+    assert {name: (r["exact"], r["errors"]) for name, r in result.items()} == {name: (3, []) for name in result}
+
+
 def test_findings_patched_counts_what_is_not_fixed(build, capsys, monkeypatch):
     assert findings.main(["--patched", "U3", "U7"]) == 0
     out = capsys.readouterr().out
