@@ -240,13 +240,14 @@ def render(res: dict, command: str, plots: list[str]) -> str:
     srv = res.get("server")
     if srv:
         patches = srv.get("patches") or []
+        why_n_max = "the fastest native setting of this run" if s.get("native") else "the cost model's pick"
         add("## Serving: llama-server with native DFlash" + (", patched build" if patches else "") + "\n")
         if patches:
             add(f"llama-server built from the pinned llama.cpp with the patch series applied "
                 f"(docs/upstream_status.md): {', '.join(f'`{p}`' for p in patches)}.\n")
         add(f"`/v1/completions`, greedy, {len(srv['prompts'])} of the benchmark prompts ({', '.join(srv['prompts'])}) "
-            f"and -n {s['n_predict']} at each concurrency; `--spec-draft-n-max {srv['n_max']}`, the fastest native "
-            f"setting of this run. Throughput = completion tokens / wall time of the level; latency per request "
+            f"and -n {s['n_predict']} at each concurrency; `--spec-draft-n-max {srv['n_max']}`, "
+            f"{why_n_max}. Throughput = completion tokens / wall time of the level; latency per request "
             f"(seconds). Exact: text equal to llama-completion's (at concurrency > 1 the server decodes several "
             f"sequences in one batch, which can move a near-tie).\n")
         add(f"```\n{' '.join(srv['command'])}\n```\n")
