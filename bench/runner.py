@@ -207,7 +207,7 @@ class Bench:
             raise ValueError(f"prompt {too_long[0][0]} has {too_long[0][1]} tokens: with -n {s.n_predict} it does "
                              f"not fit the context of {s.n_ctx} tokens (raise --ctx-size)")
         self._stock_exe: Path | None = None
-        self._patched = None  # parity.patched.Build of llama-server, once made
+        self._patched = None  # patchbuild.Build of llama-server, once made
 
     def stock_exe(self) -> Path:
         """llama-speculative-simple from a stock build of the pin, made (or found cached) once."""
@@ -218,11 +218,11 @@ class Bench:
         return self._stock_exe
 
     def patched_server(self):
-        """llama-server built from the pinned tree with patches/series (parity.patched), made once."""
+        """llama-server built from the pinned tree with patches/series (dflash_llama.patchbuild), made once."""
         if self._patched is None:
-            from dflash_llama.parity import patched
+            from dflash_llama import patchbuild
 
-            self._patched = patched.patched_build(tools=("llama-server",), log=lambda m: None)
+            self._patched = patchbuild.patched_build(tools=("llama-server",), log=lambda m: None)
         return self._patched
 
 

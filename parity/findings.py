@@ -218,9 +218,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main_patched(names: list[str]) -> int:
     from . import patched
 
-    in_series = {p.name for p in patched.series()}
+    patches = patched.series()
+    in_series = {p.name for p in patches}
     with_patch = [n for n in names if n in patched.SHOW and patched.SHOW[n][0] in in_series]
-    count = patched.show(with_patch, patched.patched_build()) if with_patch else 0
+    count = patched.show(with_patch, patched.patched_build(patches)) if with_patch else 0
     for name in names:
         if name not in with_patch:
             present = FINDINGS[name]()

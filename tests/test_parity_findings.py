@@ -51,8 +51,11 @@ def test_u5_patch_applies_to_the_pinned_tree():
     from dflash_llama.parity import patched
 
     patch = patched.PATCHES / "u5-dflash-full-block.patch"
-    assert patched.touched_files(patch) == ["common/speculative.cpp"]
+    assert patched.touched_files(patch) == ["common/speculative.cpp", "src/models/dflash.cpp"]
     r = subprocess.run(["patch", "-p1", "--dry-run", "--forward", "-d", str(patched.ROOT / "third_party" / "llama.cpp"),
                         "-i", str(patch)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.strip() == "checking file common/speculative.cpp"
+    # alone too (its dflash.cpp hunk is made after U3's, 3 lines earlier)
+    assert r.stdout.strip().splitlines() == ["checking file common/speculative.cpp",
+                                             "checking file src/models/dflash.cpp",
+                                             "Hunk #1 succeeded at 799 (offset -3 lines)."]

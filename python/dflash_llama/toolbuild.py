@@ -1,7 +1,7 @@
 """A peer tool of our build relinked with a few translation units compiled otherwise.
 
 Our build compiles the pinned llama.cpp once (CMake, `build/<tag>/`). Two variants of its tools
-need only a few files compiled differently: a patched tree (parity/patched.py: the files a patch
+need only a few files compiled differently: a patched tree (patchbuild.py: the files a patch
 touches, from a copy of the tree) and a stock build (`stock_tool`: ggml-cpu with llamafile's
 sgemm, as llama.cpp builds it by default and as its users run it; our build leaves sgemm out
 because a verify would then not compute the logits of one-token decoding). Each file is compiled
@@ -73,7 +73,7 @@ def compile_object(args: list[str], entry: dict, what: str) -> None:
         raise RuntimeError(f"compiling {what} failed:\n{r.stderr[-2000:]}")
 
 
-CORE = "_core"  # the Python extension module, linked like a tool (parity/patched.py links a patched one)
+CORE = "_core"  # the Python extension module, linked like a tool (patchbuild.py links a patched one)
 
 
 def link_rule(build: Path, tool: str) -> re.Match:
