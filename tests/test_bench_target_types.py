@@ -4,6 +4,7 @@ cache, the JSON of the sweep, exactness of every DFlash row, the report and the 
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import gguf
@@ -94,7 +95,8 @@ def test_the_json_has_every_types_rows(sweep_run):
             assert v == pytest.approx(costs[int(k)] / cm["autoregressive_step_ms"]) and v > 0
         assert t["decode_tokens_per_second"] == pytest.approx(1000 / cm["autoregressive_step_ms"])
         lb = t["llama_bench_verify_cost"]  # the pinned llama-bench on the same file
-        assert list(lb) == ["2", "4", "8"] and all(0.5 < v < 3 * int(k) for k, v in lb.items())
+        # measured speeds on a shared machine: shape and sign only, never a timing bound (the ratios go to reports)
+        assert list(lb) == ["2", "4", "8"] and all(v > 0 and math.isfinite(v) for v in lb.values())
         mine = [r for r in rows if r["type"] == t["type"]]
 
         def speed(m, mine=mine):
