@@ -225,7 +225,6 @@ class Bench:
             self._patched = patchbuild.patched_build(tools=("llama-server",), log=lambda m: None)
         return self._patched
 
-
     # -- planning -----------------------------------------------------------------------------
     def count_runs(self) -> dict[str, int]:
         """Measurements per phase, for the progress bar (before the pick is known: assume one more row)."""

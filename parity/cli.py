@@ -86,7 +86,7 @@ def _config(args, target, draft, draft_hf, target_hf, name):
                         n_predict=args.n_predict, graph_prompts=args.graph_prompts, n_threads=args.threads,
                         native=not args.no_native, end_to_end=not args.no_end_to_end,
                         native_tool=build.tool("llama-speculative-simple") if build else None,
-                        native_build=_build_label(build))
+                        native_build=build.label if build else "pinned")
 
 
 def _native_build(args):
@@ -94,21 +94,16 @@ def _native_build(args):
     pinned tree with patches/series."""
     if not args.patched:
         return None
-    from . import patched
-
     if args.no_native:
         raise ValueError("--patched runs llama.cpp's patched loop: it cannot go with --no-native")
+    from dflash_llama import patchbuild
     from dflash_llama.toolbuild import CORE
 
-    build = patched.patched_build(tools=("llama-speculative-simple", CORE),
-                                  log=lambda m: None if args.quiet else print(m))
-    patched.use_core(build)  # the in-process llama.cpp graph (and our runtime) on the patched library too
-    print(f"llama.cpp: {_build_label(build)}")
+    build = patchbuild.patched_build(tools=("llama-speculative-simple", CORE),
+                                     log=lambda m: None if args.quiet else print(m))
+    patchbuild.use_core(build)  # the in-process llama.cpp graph (and our runtime) on the patched library too
+    print(f"llama.cpp: {build.label}")
     return build
-
-
-def _build_label(build) -> str:
-    return f"patched ({', '.join(build.patches)})" if build else "pinned"
 
 
 def _summary(report: dict, paths: dict) -> str:
@@ -248,7 +243,7 @@ def _main_all(args) -> int:
         rows.append((pair.name, verdict, fd["message"] if fd else ""))
     out_root.mkdir(parents=True, exist_ok=True)
     lines = ["# Parity: every registry pair", "",
-             f"llama.cpp: {_build_label(args.native_build)} build.", "",
+             f"llama.cpp: {args.native_build.label if args.native_build else 'pinned'} build.", "",
              "| pair | result | first divergence |", "|---|---|---|"]
     lines += [f"| {n if v == 'skipped' else f'[{n}]({n}/parity.md)'} | {v} | {d.replace('|', '/')} |"
               for n, v, d in rows]

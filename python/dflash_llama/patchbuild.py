@@ -58,6 +58,11 @@ class Build:
     tools: dict[str, Path]
     patches: tuple[str, ...] = ()  # applied to the pinned tree, in order
 
+    @property
+    def label(self) -> str:
+        """"pinned", or "patched (PATCH, ...)"."""
+        return f"patched ({', '.join(self.patches)})" if self.patches else self.name
+
     def tool(self, name: str) -> Path:
         if name not in self.tools:
             raise ValueError(f"the {self.name} build has no {name}; it has {', '.join(self.tools)}")

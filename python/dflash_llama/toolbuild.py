@@ -11,6 +11,7 @@ archives, so the archives' members defining the same symbols are not pulled.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -76,10 +77,25 @@ def compile_object(args: list[str], entry: dict, what: str) -> None:
 CORE = "_core"  # the Python extension module, linked like a tool (patchbuild.py links a patched one)
 
 
+@functools.lru_cache(maxsize=4)
+def _read_ninja(path: str, mtime_ns: int) -> str:
+    return Path(path).read_text()
+
+
+def _ninja(build: Path) -> str:
+    """build.ninja of `build`, read once per version of the file (a patched build asks it often)."""
+    path = build / "build.ninja"
+    return _read_ninja(str(path), path.stat().st_mtime_ns)
+
+
+def _link_variables(rule: re.Match) -> dict[str, str]:
+    return dict(re.findall(r"^  (\w+) = (.*)$", rule.group(3), re.M))
+
+
 def link_rule(build: Path, tool: str) -> re.Match:
     """The ninja rule that links `tool` (a tool, or CORE: the extension module) in `build`: its
     output, its own objects, then its variables."""
-    ninja = (build / "build.ninja").read_text()
+    ninja = _ninja(build)
     out = rf"{re.escape(tool)}\.cpython[^:\s]*\.so" if tool == CORE else rf"bin/{re.escape(tool)}"
     linker = r"(?:CXX_EXECUTABLE_LINKER|CXX_MODULE_LIBRARY_LINKER)\S*"
     rule = rf"^build ({out}): {linker} ((?:\S+\.o )*\S+\.o)[^\n]*\n((?:  [^\n]*\n)+)"
@@ -93,8 +109,8 @@ def archive_of(build: Path, entry: dict) -> str:
     """The static library of our build (path relative to `build`) that holds the object `entry`
     (a compile_commands.json entry) compiles."""
     obj = os.path.relpath(entry["output"], entry["directory"]) if "output" in entry else None
-    ninja = (build / "build.ninja").read_text()
-    m = obj and re.search(rf"^build (\S+\.a): \w*STATIC_LIBRARY_LINKER\S*[^\n]* {re.escape(obj)}(?=[ \n])", ninja, re.M)
+    m = obj and re.search(rf"^build (\S+\.a): \w*STATIC_LIBRARY_LINKER\S*[^\n]* {re.escape(obj)}(?=[ \n])",
+                          _ninja(build), re.M)
     if not m:
         raise ValueError(f"{entry['file']}: its object is in no static library of our build")
     return m.group(1)
@@ -102,8 +118,7 @@ def archive_of(build: Path, entry: dict) -> str:
 
 def links(build: Path, tool: str, archive: str) -> bool:
     """Whether `tool` links the static library `archive` (as archive_of names it)."""
-    variables = dict(re.findall(r"^  (\w+) = (.*)$", link_rule(build, tool).group(3), re.M))
-    return archive in variables["LINK_LIBRARIES"].split()
+    return archive in _link_variables(link_rule(build, tool))["LINK_LIBRARIES"].split()
 
 
 def link_name(build: Path, tool: str) -> str:
@@ -114,7 +129,7 @@ def link_name(build: Path, tool: str) -> str:
 def link_tool(build: Path, tool: str, objects: list[str], exe: Path, what: str) -> Path:
     """Link `tool` as our build links it, with `objects` ahead of the build's libraries."""
     m = link_rule(build, tool)
-    variables = dict(re.findall(r"^  (\w+) = (.*)$", m.group(3), re.M))
+    variables = _link_variables(m)
     libs = [str(build / x) if not x.startswith(("-", "/")) else x for x in variables["LINK_LIBRARIES"].split()]
     flags = variables.get("FLAGS", "").split() if tool != CORE else \
         ["-fPIC", *variables.get("LANGUAGE_COMPILE_FLAGS", "").split(), *variables.get("LINK_FLAGS", "").split()]
