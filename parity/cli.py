@@ -96,6 +96,9 @@ def _native_build(args):
         return None
     if args.no_native:
         raise ValueError("--patched runs llama.cpp's patched loop: it cannot go with --no-native")
+    for path, what in ((args.target, "--target"), (args.draft, "--draft")):  # before the build, not after it
+        if path is not None and not Path(path).exists():
+            raise FileNotFoundError(f"{what} {path}: no such file")
     from dflash_llama import patchbuild
     from dflash_llama.toolbuild import CORE
 

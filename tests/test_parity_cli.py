@@ -42,6 +42,14 @@ def test_missing_file(tmp_path, capsys, pair):
     assert f"--target {tmp_path / 'none.gguf'}: no such file" in capsys.readouterr().err
 
 
+def test_missing_file_with_patched_is_reported_before_the_build(tmp_path, capsys, pair, monkeypatch):
+    monkeypatch.setenv("DFLASH_LLAMA_CACHE", str(tmp_path / "cache"))
+    assert cli.main(["parity", "--patched", "--target", str(tmp_path / "none.gguf"), "--draft", str(pair[1]),
+                     "--out", str(tmp_path / "r"), "--quiet"]) == 2
+    assert f"--target {tmp_path / 'none.gguf'}: no such file" in capsys.readouterr().err
+    assert not (tmp_path / "cache" / "patched").exists()  # nothing was built
+
+
 def test_unknown_registry_pair(capsys):
     assert cli.main(["parity", "--all", "--only", "tiny-f32,nope"]) == 2
     assert "--only: no registry pair named nope" in capsys.readouterr().err
