@@ -122,10 +122,11 @@ void bind_draft_policy(nb::module_ & m) {
     nb::class_<draft_policy>(m, "DraftPolicy")
         .def(nb::init<int32_t>(), "max_draft"_a)
         .def("__init__", [](draft_policy * p, int32_t max_draft, std::vector<double> verify_ms,
-                            std::vector<double> draft_ms, bool shadow) {
+                            std::vector<double> draft_ms, bool shadow, int32_t probe_wait) {
                  const dflash::step_costs costs{ std::move(verify_ms), std::move(draft_ms) };
-                 new (p) draft_policy(max_draft, &costs, shadow);
-             }, "max_draft"_a, "verify_ms"_a, "draft_ms"_a, "shadow"_a)
+                 new (p) draft_policy(max_draft, &costs, shadow, probe_wait);
+             }, "max_draft"_a, "verify_ms"_a, "draft_ms"_a, "shadow"_a, "probe_wait"_a = 0)
+        .def_prop_ro("probe_wait", &draft_policy::probe_wait)
         .def("choose", &draft_policy::choose)
         .def("take_shadow", &draft_policy::take_shadow)
         .def("observe_shadow", &draft_policy::observe_shadow, "n"_a, "matched"_a, "settled"_a, "t_draft_ms"_a)
@@ -133,6 +134,7 @@ void bind_draft_policy(nb::module_ & m) {
         .def("observe_plain", &draft_policy::observe_plain, "t_ms"_a)
         .def("observe_draft", &draft_policy::observe_draft, "n"_a, "accepted"_a, "t_draft_ms"_a, "t_verify_ms"_a)
         .def("expected_tokens", &draft_policy::expected_tokens, "n"_a)
+        .def("perfect_speedup", &draft_policy::perfect_speedup)
         .def("expected_ms", &draft_policy::expected_ms, "n"_a)
         .def_prop_ro("summary", &draft_policy::summary);
 }

@@ -18,14 +18,19 @@ void draft_policy::average::add(double x) {
     seen  = true;
 }
 
-draft_policy::draft_policy(int32_t max_draft, const step_costs * costs, bool shadow)
+draft_policy::draft_policy(int32_t max_draft, const step_costs * costs, bool shadow, int32_t probe_wait)
     : max_draft_(max_draft), verify_(max_draft + 2), draft_(max_draft + 1), hits_(max_draft + 1, 0.0),
       tries_(max_draft + 1, 0.0), shadow_(shadow) {
     if (max_draft < 1) {
         throw std::invalid_argument("the adaptive loop needs a block of at least 2 tokens, got a draft of " +
                                     std::to_string(max_draft));
     }
+    if (probe_wait < 0 || probe_wait > kProbeMax) {
+        throw std::invalid_argument("draft_policy: a wait of " + std::to_string(probe_wait) + " steps between probes (0.." +
+                                    std::to_string(kProbeMax) + ")");
+    }
     if (costs == nullptr) {
+        interval_ = probe_wait > 0 ? probe_wait : kProbeFirst;
         return;
     }
     for (size_t k = 1; k < costs->verify.size() && k <= (size_t) max_draft + 1; ++k) {
@@ -38,7 +43,8 @@ draft_policy::draft_policy(int32_t max_draft, const step_costs * costs, bool sha
         throw std::invalid_argument("draft_policy: step costs need a plain step's time and a draft forward's");
     }
     plain_mode_ = true;  // start plain and probe at once: the costs are known, acceptance is not;
-    interval_   = kProbeFirst / 2;  // that opening probe failing waits kProbeFirst steps, then 16, 32 ...
+    // that opening probe failing waits kProbeFirst steps, or kProbeGrowth times what was learned
+    interval_ = probe_wait > 0 ? probe_wait : kProbeFirst / kProbeGrowth;
 }
 
 double draft_policy::expected_tokens(int32_t n) const {
@@ -122,6 +128,8 @@ int32_t draft_policy::choose() {
         n = std::min(kFirstDraft, max_draft_);  // the second measures drafting
     } else if (plain_mode_ && (countdown_ > 0 || probing_)) {
         countdown_ -= countdown_ > 0 ? 1 : 0;  // a shadow probe being scored: wait for its outcome
+    } else if (plain_mode_ && perfect_speedup() <= 1.0 + kSwitchMargin) {
+        countdown_ = kProbeMax - 1;  // no draft could pay: look again only once the costs may have moved
     } else if (plain_mode_) {
         probing_ = true;
         ++summary_.probes;
@@ -146,6 +154,16 @@ int32_t draft_policy::choose() {
 bool draft_policy::pays(int32_t n) const {
     const double ms = expected_ms(n), plain = expected_ms(0);
     return ms > 0.0 && plain > 0.0 && expected_tokens(n) / ms > (1.0 + kSwitchMargin) / plain;
+}
+
+double draft_policy::perfect_speedup() const {
+    const double plain = expected_ms(0);
+    double top = 0.0;
+    for (int32_t n = 1; n <= max_draft_ && plain > 0.0; ++n) {
+        const double ms = expected_ms(n);
+        if (ms > 0.0) top = std::max(top, (n + 1) * plain / ms);
+    }
+    return top;
 }
 
 int32_t draft_policy::take_shadow() {
@@ -212,7 +230,7 @@ void draft_policy::count(int32_t n, int32_t accepted, bool settled) {
 void draft_policy::end_probe() {
     probing_ = false;
     if (!pays(best(1))) {
-        interval_  = std::min(2 * interval_, kProbeMax);
+        interval_  = std::min(kProbeGrowth * interval_, kProbeMax);
         countdown_ = interval_ - 1;
     } else {
         plain_mode_ = false;

@@ -7,9 +7,12 @@
 //   E(N)     = 1 + sum_{i=1..N} prod_{j<=i} c_j    c_j: acceptance of position j when j-1 was accepted
 //   speed(N) = E(N) / (t_draft(N) + t_verify(N+1)),   speed(0) = 1 / t_plain
 //
-// When plain decoding wins it stays plain, and re-probes drafting after 8, 16, 32 ... 256 plain
-// steps: the interval doubles while probes do not pay (by kSwitchMargin) and starts again at 8 when
-// one does.
+// When plain decoding wins it stays plain, and re-probes drafting after 16, 64, 256 plain steps: the
+// wait grows by kProbeGrowth after each probe that does not pay (by kSwitchMargin) and starts again
+// at 16 when one does. When not even a draft accepted in full could beat plain decoding by
+// kSwitchMargin at any N, there is no probe at all: drafting cannot pay on this machine and target,
+// whatever the text.
+//
 // Costs are exponential averages per size; sizes not yet seen are interpolated linearly between
 // seen ones. Acceptance counts decay (by kDecay a step, plain steps too) so that they follow the text
 // and a probe after a long plain stretch is judged mostly on what it sees.
@@ -35,6 +38,15 @@ struct step_costs {
     std::vector<double> draft;   // [n]: a draft forward of n proposals with an injection, n = 1..
 };
 
+// What the adaptive loop keeps between the generations of one engine (per block size): the step
+// costs, measured before the first, and the wait between probes as the last one left it, so that a
+// draft that did not pay on the texts so far is probed once at the start of the next (its own text
+// may differ), then as rarely as it was.
+struct policy_memory {
+    step_costs costs;        // empty: not measured yet
+    int32_t    probe_wait = 0;  // plain steps between probes that do not pay; 0: none learned yet
+};
+
 struct policy_summary {
     int32_t plain_steps = 0;        // N = 0: a plain decode, no draft forward
     int32_t draft_steps = 0;        // N >= 1
@@ -56,8 +68,10 @@ struct policy_summary {
 class draft_policy {
 public:
     // costs: measured step costs to start from (nullptr: learn them in the first steps); shadow:
-    // probe with unverified draft forwards (greedy decoding only).
-    explicit draft_policy(int32_t max_draft, const step_costs * costs = nullptr, bool shadow = false);
+    // probe with unverified draft forwards (greedy decoding only); probe_wait: the wait an earlier
+    // generation left (policy_memory; 0: the first wait, kProbeFirst).
+    explicit draft_policy(int32_t max_draft, const step_costs * costs = nullptr, bool shadow = false,
+                          int32_t probe_wait = 0);
 
     // N for the next step, 0..max_draft (the caller may cut it near the end of the sequence).
     int32_t choose();
@@ -76,11 +90,15 @@ public:
 
     double expected_tokens(int32_t n) const;
     double expected_ms(int32_t n) const;  // 0 while the cost of n cannot be estimated yet
+    // The speed of a draft accepted in full at its best N, in units of plain decoding's (0: unknown).
+    double perfect_speedup() const;
     const policy_summary & summary() const { return summary_; }
+    int32_t probe_wait() const { return interval_; }  // for policy_memory
 
     static constexpr double  kDecay        = 0.95;
     static constexpr double  kCostWeight   = 0.2;  // weight of a new time in its average
-    static constexpr int32_t kProbeFirst   = 8;
+    static constexpr int32_t kProbeFirst   = 16;  // plain steps after a first probe that would not have paid
+    static constexpr int32_t kProbeGrowth  = 4;   // the wait after each further one
     static constexpr int32_t kProbeMax     = 256;
     static constexpr double  kSwitchMargin = 0.1;  // a probe ends plain mode when drafting is this much faster
 

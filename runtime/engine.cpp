@@ -47,11 +47,12 @@ const draft_hparams & engine::hparams() const {
 }
 
 // The adaptive loop starts from step costs measured once per block size (the first adaptive
-// generation pays for it, as llama.cpp's warm-up decode at load; its time is in the policy summary).
+// generation pays for it, as llama.cpp's warm-up decode at load; its time is in the policy summary)
+// and from the probe wait the last generation of that size left.
 generate_result engine::generate(const std::vector<int32_t> & prompt, const generate_params & params,
                                  const token_callback & on_tokens) {
-    step_costs * costs = params.adaptive ? &step_costs_[params.block_size.value_or(hparams().block_size)] : nullptr;
-    return generate_speculative(*target_, draft(), prompt, params, on_tokens, costs);
+    policy_memory * memory = params.adaptive ? &policy_memory_[params.block_size.value_or(hparams().block_size)] : nullptr;
+    return generate_speculative(*target_, draft(), prompt, params, on_tokens, memory);
 }
 
 generate_result engine::autoregressive(const std::vector<int32_t> & prompt, const generate_params & params,

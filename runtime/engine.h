@@ -52,7 +52,7 @@ public:
     draft_trace trace_draft(const std::vector<float> & features, int32_t n_ctx_tokens, const std::vector<int32_t> & block);
 
 private:
-    std::map<int32_t, step_costs>  step_costs_;  // per block size: measured at its first adaptive generation
+    std::map<int32_t, policy_memory> policy_memory_;  // per block size: the adaptive loop's, between generations
     std::unique_ptr<target_runner> target_;
     std::unique_ptr<draft_model>   draft_model_;
     std::unique_ptr<draft_runner>  draft_runner_;

@@ -384,19 +384,19 @@ step_costs measure_step_costs(target_runner & target, draft_runner & draft, int3
 
 generate_result generate_speculative(target_runner & target, draft_runner & draft, const std::vector<int32_t> & prompt,
                                      const generate_params & params, const token_callback & on_tokens,
-                                     step_costs * costs) {
+                                     policy_memory * memory) {
     auto t_start = clock_type::now();
     const int32_t max_length = check_request(target, prompt, params);
     const draft_hparams & hp = draft.hparams();
     const auto [block_size, draft_max] = block_shape(target, hp, params);
     double calibration_ms = 0.0;
-    if (costs != nullptr && params.adaptive && costs->verify.empty()) {
+    if (memory != nullptr && params.adaptive && memory->costs.verify.empty()) {
         const auto t0 = clock_type::now();
-        *costs = measure_step_costs(target, draft, block_size);
+        memory->costs = measure_step_costs(target, draft, block_size);
         calibration_ms = ms_since(t0);
         t_start = clock_type::now();  // once per engine, like a warm-up at load: not this generation's time
     }
-    const step_costs * known = params.adaptive && costs != nullptr ? costs : nullptr;
+    const step_costs * known = params.adaptive && memory != nullptr ? &memory->costs : nullptr;
 
     generate_result res;
     res.stats.n_prompt = (int32_t) prompt.size();
@@ -426,7 +426,8 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
     loop.start = (int32_t) prompt.size();
 
     // shadow probes score proposals against plain decoding's tokens: sound for greedy output only
-    draft_policy policy(draft_max, known, known != nullptr && params.sampling.greedy());
+    draft_policy policy(draft_max, known, known != nullptr && params.sampling.greedy(),
+                        memory != nullptr ? memory->probe_wait : 0);
     while (loop.start + 1 < max_length && !loop.stopped) {
         // near max_length the block is shorter (as published), and the last token is a plain step
         const int32_t room = max_length - loop.start - 1;
@@ -453,6 +454,7 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
     }
     res.policy = policy.summary();
     res.policy.calibration_ms = calibration_ms;
+    if (memory != nullptr && params.adaptive) memory->probe_wait = policy.probe_wait();
 
     res.stats.n_generated = (int32_t) res.tokens.size();
     res.stop_reason = stop_reason_for(loop.start + 1, max_length, loop.stopped, prompt, params);

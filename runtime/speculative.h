@@ -67,12 +67,13 @@ struct generate_result {
 using token_callback = std::function<void(const std::vector<int32_t> & tokens)>;
 
 // The target's and the draft's state is reset at the start: every call is a fresh sequence.
-// costs: the adaptive loop's step costs, kept by the caller between generations: measured here
-// (after the request's checks) when empty, the time that took reported in the policy summary;
-// nullptr: the loop learns them in its first steps (see draft_policy.h).
+// memory: what the adaptive loop keeps between generations, owned by the caller: its step costs
+// are measured here (after the request's checks) when empty, the time that took reported in the
+// policy summary, and its probe wait is carried on; nullptr: the loop learns the costs in its first
+// steps (see draft_policy.h).
 generate_result generate_speculative(target_runner & target, draft_runner & draft, const std::vector<int32_t> & prompt,
                                      const generate_params & params, const token_callback & on_tokens = {},
-                                     step_costs * costs = nullptr);
+                                     policy_memory * memory = nullptr);
 
 // What a plain step, a verify of k = 2..block_size tokens and a draft forward of n = 1..block_size-1
 // proposals cost on this machine, target and draft: each the faster of two runs, after a warm-up,

@@ -29,23 +29,50 @@ def test_measures_plain_then_drafting_first():
     assert p.choose() == 2
 
 
+# verifies cheap enough that a draft accepted in full would pay, so that there is something to probe for
+CHEAP_VERIFY = dict(t_plain=10.0, t_draft=4.0, t_verify=lambda k: 10.0 + 2.0 * (k - 1))
+
+
 def test_a_draft_that_never_pays_goes_plain_and_probes_less_and_less():
     p = _core.DraftPolicy(7)
-    chosen = drive(p, 300, accepted=lambda n: 0, t_plain=10.0, t_draft=8.0, t_verify=lambda k: 10.0 + 8.0 * (k - 1))
+    chosen = drive(p, 300, accepted=lambda n: 0, **CHEAP_VERIFY)
     drafted_at = [i for i, n in enumerate(chosen) if n > 0]
-    # step 1 measures drafting; then probes after 8, 16, 32, 64 and 128 plain steps
-    assert drafted_at == [1, 10, 26, 58, 122, 250]
+    # step 1 measures drafting, step 2 goes plain; then probes after 16 and 64 plain steps (256 next)
+    assert drafted_at == [1, 18, 82]
     s = p.summary
-    assert (s.plain_steps, s.draft_steps, s.probes) == (294, 6, 5)
-    assert s.plain_share == pytest.approx(294 / 300)
+    assert (s.plain_steps, s.draft_steps, s.probes) == (297, 3, 2)
+    assert s.plain_share == pytest.approx(297 / 300)
 
 
 def test_probes_back_off_to_at_most_every_256_steps():
     p = _core.DraftPolicy(3)
-    chosen = drive(p, 2000, accepted=lambda n: 0, t_plain=10.0, t_draft=8.0, t_verify=lambda k: 10.0 * k)
+    chosen = drive(p, 2000, accepted=lambda n: 0, **CHEAP_VERIFY)
     drafted_at = [i for i, n in enumerate(chosen) if n > 0]
     gaps = [b - a for a, b in zip(drafted_at, drafted_at[1:])]
-    assert gaps[:6] == [9, 16, 32, 64, 128, 256] and set(gaps[5:]) == {256}
+    assert gaps[:3] == [17, 64, 256] and set(gaps[2:]) == {256}
+
+
+def test_when_not_even_a_perfect_draft_pays_it_never_probes():
+    # a verify costs 8 ms a token more: 8 tokens in 4 + 66 ms beat 10 ms a token by 14%, 4 in 4 + 34 by 5%
+    p = _core.DraftPolicy(3)
+    chosen = drive(p, 1000, accepted=lambda n: n, t_plain=10.0, t_draft=4.0, t_verify=lambda k: 10.0 + 8.0 * (k - 1))
+    assert p.perfect_speedup() == pytest.approx(4 * 10.0 / (4.0 + 34.0))
+    assert [i for i, n in enumerate(chosen) if n > 0] == [1]  # the step that measured drafting, no probe since
+    assert p.summary.probes == 0
+    p = _core.DraftPolicy(7)  # the same costs with 8 tokens a step: probed, and it drafts
+    chosen = drive(p, 100, accepted=lambda n: n, t_plain=10.0, t_draft=4.0, t_verify=lambda k: 10.0 + 8.0 * (k - 1))
+    assert p.perfect_speedup() == pytest.approx(8 * 10.0 / (4.0 + 66.0)) and p.summary.probes >= 1
+
+
+def test_a_probe_that_pays_ends_plain_mode():
+    p = _core.DraftPolicy(7)
+    chosen = drive(p, 20, accepted=lambda n: 0, **CHEAP_VERIFY)
+    assert chosen[2:18] == [0] * 16 and chosen[18] > 0 and chosen[19:] == [0]  # plain, a probe, plain
+    assert p.summary.probes == 1
+    chosen = drive(p, 70, accepted=lambda n: n, **CHEAP_VERIFY)  # the text became predictable
+    # the second probe, 64 steps after the first, pays: it drafts since, soon all 7
+    assert chosen[:62] == [0] * 62 and all(n > 0 for n in chosen[62:]) and chosen[-6:] == [7] * 6
+    assert p.summary.probes == 2
 
 
 def test_a_perfect_draft_with_free_verifies_drafts_the_whole_block():
@@ -54,20 +81,6 @@ def test_a_perfect_draft_with_free_verifies_drafts_the_whole_block():
     assert chosen[:2] == [0, 2]
     assert chosen[10:] == [7] * 30
     assert p.summary.plain_steps == 1
-
-
-def test_a_probe_that_pays_ends_plain_mode():
-    p = _core.DraftPolicy(7)
-    costs = dict(t_plain=10.0, t_draft=4.0, t_verify=lambda k: 10.0 + 2.0 * (k - 1))
-    chosen = drive(p, 20, accepted=lambda n: 0, **costs)
-    assert chosen[2:10] == [0] * 8 and chosen[10] > 0 and chosen[11:] == [0] * 9  # plain, a probe, plain
-    assert p.summary.probes == 1
-    chosen = drive(p, 70, accepted=lambda n: n, **costs)  # the text became predictable
-    assert chosen[:6] == [0] * 6 and chosen[6] == 1  # the second probe, 16 steps after the first
-    # one accepted token after a run of rejections does not beat plain decoding by the switching
-    # margin: plain for 32 more steps; the third probe does, and it drafts since, soon all 7
-    assert chosen[7:38] == [0] * 31 and all(n > 0 for n in chosen[38:]) and chosen[-30:] == [7] * 30
-    assert p.summary.probes == 3
 
 
 def test_costs_not_seen_are_interpolated_and_extrapolated():
@@ -130,20 +143,40 @@ def drive_shadow(policy, steps: int, matched, t_plain: float, t_draft: float, t_
     return chosen
 
 
-COSTS_NEVER_PAY = dict(verify_ms=[0.0] + [10.0 + 8.0 * (k - 1) for k in range(1, 9)], draft_ms=[0.0] + [4.0] * 7)
+# a draft accepted in full would pay by 14% at N = 7 (8 tokens in 4 + 66 ms), so it is probed for
+COSTS_DEAR_VERIFY = dict(verify_ms=[0.0] + [10.0 + 8.0 * (k - 1) for k in range(1, 9)], draft_ms=[0.0] + [4.0] * 7)
+COSTS_CHEAP_VERIFY = dict(verify_ms=[0.0, 10.0, 12.0, 14.0, 16.0], draft_ms=[0.0, 5.0, 5.0, 5.0])
+
+
+def test_with_measured_costs_a_target_no_draft_can_speed_up_is_never_probed():
+    p = _core.DraftPolicy(3, shadow=True, verify_ms=[0.0, 10.0, 30.0, 50.0, 70.0], draft_ms=[0.0, 5.0, 5.0, 5.0])
+    assert p.perfect_speedup() == pytest.approx(2 * 10.0 / 35.0)  # N = 1: 2 tokens in 5 + 30 ms
+    chosen = drive_shadow(p, 600, matched=lambda n: n, t_plain=10.0, t_draft=5.0, t_verify=lambda k: 10.0 + 20.0 * k)
+    assert chosen == [0] * 600 and p.summary.probes == 0
 
 
 def test_with_measured_costs_it_starts_plain_and_probes_in_the_shadow_at_once():
-    p = _core.DraftPolicy(7, shadow=True, **COSTS_NEVER_PAY)
+    p = _core.DraftPolicy(7, shadow=True, **COSTS_DEAR_VERIFY)
     assert p.expected_ms(0) == 10.0 and p.expected_ms(1) == 4.0 + 18.0  # known before any step
     chosen = drive_shadow(p, 200, matched=lambda n: 0, t_plain=10.0, t_draft=4.0, t_verify=lambda k: 10.0 + 8.0 * k)
     probes_at = [i for i, n in enumerate(chosen) if n < 0]
     assert all(n <= 0 for n in chosen)  # never a verified draft
     assert all(chosen[i] == -7 for i in probes_at)  # a shadow probe scores every position
-    # each settles on the next plain step (proposal 1 differs), then 8, 16, 32 ... plain steps
-    assert probes_at == [0, 9, 26, 59, 124]
+    # each settles on the next plain step (proposal 1 differs), then 16, 64 (then 256) plain steps
+    assert probes_at == [0, 17, 82]
     s = p.summary
-    assert (s.probes, s.shadow_probes, s.draft_steps, s.plain_steps) == (5, 5, 0, 200)
+    assert (s.probes, s.shadow_probes, s.draft_steps, s.plain_steps) == (3, 3, 0, 200)
+
+
+def test_a_later_generation_opens_with_one_probe_then_waits_as_long_as_the_last_one_left_off():
+    first = _core.DraftPolicy(7, shadow=True, **COSTS_DEAR_VERIFY)
+    drive_shadow(first, 128, matched=lambda n: 0, t_plain=10.0, t_draft=4.0, t_verify=lambda k: 10.0 + 8.0 * k)
+    assert first.summary.probes == 3 and first.probe_wait == 256  # probes at 0, 17, 82: waits 16, 64, 256
+    later = _core.DraftPolicy(7, shadow=True, probe_wait=first.probe_wait, **COSTS_DEAR_VERIFY)
+    chosen = drive_shadow(later, 300, matched=lambda n: 0, t_plain=10.0, t_draft=4.0, t_verify=lambda k: 10.0 + 8.0 * k)
+    assert [i for i, n in enumerate(chosen) if n < 0] == [0, 257]
+    with pytest.raises(ValueError, match=r"draft_policy: a wait of 257 steps between probes \(0..256\)"):
+        _core.DraftPolicy(7, shadow=True, probe_wait=257, **COSTS_DEAR_VERIFY)
 
 
 def test_a_shadow_probe_that_would_have_paid_starts_drafting():
@@ -157,7 +190,7 @@ def test_a_shadow_probe_that_would_have_paid_starts_drafting():
 
 
 def test_a_shadow_probe_waits_for_its_outcome_before_another():
-    p = _core.DraftPolicy(3, shadow=True, verify_ms=[0.0, 10.0, 30.0, 50.0, 70.0], draft_ms=[0.0, 5.0, 5.0, 5.0])
+    p = _core.DraftPolicy(3, shadow=True, **COSTS_CHEAP_VERIFY)
     assert p.choose() == 0
     p.observe_plain(10.0)
     assert p.take_shadow() == 3 and p.take_shadow() == 0  # taken once
@@ -181,10 +214,10 @@ def test_shadow_and_cost_values_are_checked():
 
 
 def test_a_shadow_probe_with_no_room_ends_without_a_cost_sample():
-    p = _core.DraftPolicy(3, shadow=True, verify_ms=[0.0, 10.0, 30.0, 50.0, 70.0], draft_ms=[0.0, 5.0, 5.0, 5.0])
+    p = _core.DraftPolicy(3, shadow=True, **COSTS_CHEAP_VERIFY)
     assert p.choose() == 0
     p.observe_plain(10.0)
     assert p.take_shadow() == 3
     p.drop_shadow()  # the sequence had no room for it
-    assert p.expected_ms(1) == 5.0 + 30.0  # the draft's measured cost, not pulled towards 0
+    assert p.expected_ms(1) == 5.0 + 12.0  # the draft's measured cost, not pulled towards 0
     assert [p.choose() for _ in range(3)] == [0, 0, 0] and p.summary.probes == 1  # plain, counting down again
