@@ -5,6 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def loop_costs_line(c: dict | None) -> str | None:
+    """The adaptive loop's own step costs (measured once, before its first generation) in one line:
+    its draft step at N = 1 against a plain decode."""
+    if not c or len(c["verify_ms"]) < 2 or len(c["draft_ms"]) < 2 or not c["verify_ms"][1]:
+        return None
+    plain, d1 = c["verify_ms"][1], c["draft_ms"][1]
+    n_max = max(n for n, ms in enumerate(c["draft_ms"]) if ms > 0)
+    return (f"The loop's own step costs, measured before its first generation (block {c['block_size']}): a plain "
+            f"decode {plain:.2f} ms; a draft step at N = 1 (a block of 2 positions, with the injection of a step's "
+            f"2 tokens) {d1:.2f} ms, **{d1 / plain:.2f} of a plain decode**; at N = {n_max} "
+            f"{c['draft_ms'][n_max]:.2f} ms ({c['draft_ms'][n_max] / plain:.2f}).")
+
+
 def _f(x, digits: int = 1, suffix: str = "") -> str:
     if x is None:
         return "–"
@@ -225,6 +238,9 @@ def render(res: dict, command: str, plots: list[str]) -> str:
                 f"{pol['draft_steps']} | {pol['probes']} | {_f(pol['mean_draft'], 2)} | "
                 f"{_f(it['speedup_vs_runtime-ar'], 3, 'x')} | {_f(it['median_prompt_speedup_vs_runtime-ar'], 3, 'x')} |")
         add("")
+        line = loop_costs_line(cm.get("loop_step_costs"))
+        if line:
+            add(line + "\n")
 
     add("## Where the time goes (our runtime, all prompts)\n")
     add("| method | prefill ms | draft ms | verify ms | other ms | verify share of decode |")

@@ -463,6 +463,7 @@ class Bench:
                        if full and full.get("acceptance_by_position") else None)
         if bench_preds:
             cm["predictions_bench_acceptance"] = [asdict(p) for p in bench_preds]
+        cm["loop_step_costs"] = self.rt.step_costs(self.block_size)  # the adaptive loop's own, once per run
         cm["checks"] = []
         for m in methods:
             if m.impl == "dflash-llama" and m.kind == "dflash" and m.block_size == self.block_size:

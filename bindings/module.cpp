@@ -238,6 +238,11 @@ void bind_engine(nb::module_ & m) {
              }, "tokens"_a)
         .def("piece", [](engine & e, int32_t token) { return as_bytes(e.target().piece(token)); }, "token"_a)
         .def("is_eog", [](engine & e, int32_t token) { return e.target().is_eog(token); }, "token"_a)
+        .def("step_costs", [](const engine & e, int32_t block_size) -> nb::object {
+                 const dflash::step_costs * c = e.measured_step_costs(block_size);
+                 if (c == nullptr) return nb::none();
+                 return nb::make_tuple(c->verify, c->draft);
+             }, "block_size"_a)
         .def("generate", &engine::generate, "prompt"_a, "params"_a, "on_tokens"_a.none() = nb::none(),
              nb::call_guard<nb::gil_scoped_release>())
         .def("autoregressive", &engine::autoregressive, "prompt"_a, "params"_a, "on_tokens"_a.none() = nb::none(),

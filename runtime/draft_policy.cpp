@@ -128,7 +128,7 @@ int32_t draft_policy::choose() {
         n = std::min(kFirstDraft, max_draft_);  // the second measures drafting
     } else if (plain_mode_ && (countdown_ > 0 || probing_)) {
         countdown_ -= countdown_ > 0 ? 1 : 0;  // a shadow probe being scored: wait for its outcome
-    } else if (plain_mode_ && perfect_speedup() <= 1.0 + kSwitchMargin) {
+    } else if (plain_mode_ && summary_.probes > 0 && perfect_speedup() <= 1.0 + kSwitchMargin) {
         countdown_ = kProbeMax - 1;  // no draft could pay: look again only once the costs may have moved
     } else if (plain_mode_) {
         probing_ = true;

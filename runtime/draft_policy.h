@@ -10,8 +10,9 @@
 // When plain decoding wins it stays plain, and re-probes drafting after 16, 64, 256 plain steps: the
 // wait grows by kProbeGrowth after each probe that does not pay (by kSwitchMargin) and starts again
 // at 16 when one does. When not even a draft accepted in full could beat plain decoding by
-// kSwitchMargin at any N, there is no probe at all: drafting cannot pay on this machine and target,
-// whatever the text.
+// kSwitchMargin at any N, there is no probe after a generation's first: drafting cannot pay on this
+// machine and target, whatever the text (the first keeps the draft's cost measured in the real
+// context, and keeps the loop's drafting path in use).
 //
 // Costs are exponential averages per size; sizes not yet seen are interpolated linearly between
 // seen ones. Acceptance counts decay (by kDecay a step, plain steps too) so that they follow the text

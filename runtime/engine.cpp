@@ -49,6 +49,11 @@ const draft_hparams & engine::hparams() const {
 // The adaptive loop starts from step costs measured once per block size (the first adaptive
 // generation pays for it, as llama.cpp's warm-up decode at load; its time is in the policy summary)
 // and from the probe wait the last generation of that size left.
+const step_costs * engine::measured_step_costs(int32_t block_size) const {
+    const auto it = policy_memory_.find(block_size);
+    return it == policy_memory_.end() || it->second.costs.verify.empty() ? nullptr : &it->second.costs;
+}
+
 generate_result engine::generate(const std::vector<int32_t> & prompt, const generate_params & params,
                                  const token_callback & on_tokens) {
     policy_memory * memory = params.adaptive ? &policy_memory_[params.block_size.value_or(hparams().block_size)] : nullptr;

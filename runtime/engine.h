@@ -34,6 +34,9 @@ public:
                              const token_callback & on_tokens = {});
     generate_result autoregressive(const std::vector<int32_t> & prompt, const generate_params & params,
                                    const token_callback & on_tokens = {});
+    // The step costs the adaptive loop measured for a block size (at its first generation of that
+    // size); nullptr before.
+    const step_costs * measured_step_costs(int32_t block_size) const;
 
     // Plain decoding of many prompts side by side (needs target.n_seq > 1 for any gain).
     std::vector<generate_result> autoregressive_batch(const std::vector<std::vector<int32_t>> & prompts,

@@ -85,9 +85,20 @@ def test_adaptive_generation_record(rt, n_new):
 
 def test_step_costs_are_measured_once_per_block_size(tiny_target_gguf, tiny_draft_gguf):
     rt = dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=1, n_ctx=128)
+    assert rt.step_costs() is None  # nothing measured before the first adaptive generation
     first, again = (rt.generate("def f(x):", 6).policy for _ in range(2))
     assert first.calibration_ms > 0 and again.calibration_ms == 0
+    costs = rt.step_costs()
+    b = rt.block_size
+    assert costs["block_size"] == b and len(costs["verify_ms"]) == b + 1 and len(costs["draft_ms"]) == b
+    # sizes 1, 2, 3, 4, then half as much again, and the largest: the others are left to interpolate
+    sizes = [k for k in range(1, b + 1) if k <= 4 or k in (6, 9, 13) or k == b]
+    assert [k for k, ms in enumerate(costs["verify_ms"]) if ms > 0] == sizes
+    assert [n for n, ms in enumerate(costs["draft_ms"]) if ms > 0] == [n for n in sizes if n <= b - 1] + (
+        [b - 1] if b - 1 not in sizes else [])
+    assert rt.step_costs(4) is None
     assert rt.generate("def f(x):", 6, block_size=4).policy.calibration_ms > 0  # another block, other costs
+    assert rt.step_costs(4)["block_size"] == 4 and rt.step_costs() == costs
     assert rt.generate("def f(x):", 6, draft_max=None).policy is None  # a fixed length measures nothing
     sampled = rt.generate("def f(x):", 12, temperature=1.0, seed=1).policy
     assert sampled.shadow_probes == 0 and sampled.draft_steps >= 1  # sampling probes with verified drafts

@@ -286,6 +286,18 @@ class Runtime:
                               stop_tokens, stop_at_eog)
         return self._run(self._engine.generate, prompt, params, stream)
 
+    def step_costs(self, block_size: int | None = None) -> dict | None:
+        """What the adaptive loop measured on this machine before its first generation at this block
+        size (default: the draft's): `verify_ms[k]`, one target decode of k tokens (k = 1: a plain
+        step), and `draft_ms[n]`, a draft step of n proposals (a block of n + 1 positions, with the
+        injection of a step's two tokens); 0.0 for sizes it interpolates. None before that generation."""
+        bs = self.block_size if block_size is None else c_int("block_size", block_size)
+        costs = self._compute.call(lambda: self._engine.step_costs(bs))
+        if costs is None:
+            return None
+        verify, draft = costs
+        return {"block_size": bs, "verify_ms": list(verify), "draft_ms": list(draft)}
+
     def autoregressive(self, prompt: str | bytes | Sequence[int], max_new_tokens: int = 128, *,
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                        stop_tokens: Sequence[int] = (), stop_at_eog: bool = True,
