@@ -72,6 +72,7 @@ void bind_functions(nb::module_ & m) {
           "The llama.cpp commit this module was built from.");
     m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); },
           "Whether this build has a GPU backend with a device (n_gpu_layers / -ngl can offload).");
+    m.attr("NO_GPU_BACKEND") = dflash::kNoGpuBackend;
     m.def("gguf_info", &gguf_info_dict, "path"_a,
           "Read a GGUF header. Raises ValueError for a missing, foreign or truncated file.");
 }

@@ -72,8 +72,7 @@ target_runner::target_runner(const target_params & params) {
                                     std::to_string(params.n_gpu_layers));
     }
     if (params.n_gpu_layers != 0 && !llama_supports_gpu_offload()) {
-        throw std::invalid_argument("n_gpu_layers " + std::to_string(params.n_gpu_layers) +
-                                    ": this build has no GPU backend (build with GGML_CUDA=ON ./setup.sh)");
+        throw std::invalid_argument("n_gpu_layers " + std::to_string(params.n_gpu_layers) + ": " + kNoGpuBackend);
     }
     check_target_gguf(params.path);  // llama.cpp asserts on some bad values: refuse them here first
     clear_last_error();

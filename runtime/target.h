@@ -14,6 +14,9 @@
 
 namespace dflash {
 
+// Why n_gpu_layers / -ngl cannot offload in a CPU-only build (every tool says it in these words).
+inline constexpr const char * kNoGpuBackend = "this build has no GPU backend (build with GGML_CUDA=ON ./setup.sh)";
+
 struct target_params {
     std::string path;
     int32_t n_ctx        = 4096;

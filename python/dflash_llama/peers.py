@@ -147,11 +147,11 @@ def gpu_flags(n_gpu_layers: int, *, draft: bool = False) -> list[str]:
     """`-ngl N` (and `-ngld` for a draft) as our runtime offloads: N target layers (-1: all). Given
     only to a GPU build (whose tools would otherwise offload everything by default); a CPU build
     gets none, and ValueError for N != 0."""
-    from dflash_llama import supports_gpu_offload
+    from dflash_llama import _core, supports_gpu_offload
 
     if not supports_gpu_offload():
         if n_gpu_layers:
-            raise ValueError(f"-ngl {n_gpu_layers}: this build has no GPU backend (build with GGML_CUDA=ON ./setup.sh)")
+            raise ValueError(f"-ngl {n_gpu_layers}: {_core.NO_GPU_BACKEND}")
         return []
     n = "all" if n_gpu_layers < 0 else str(n_gpu_layers)
     return ["-ngl", n, *(["-ngld", n] if draft else [])]
