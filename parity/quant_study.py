@@ -43,7 +43,7 @@ def run_study(target: Path, draft_hf: Path, work: Path, prompts: list, n_predict
     rows = []
     try:
         # the reference's tau does not depend on the GGUF type: once, on the reference target
-        reference_target = load_reference_target(target)
+        reference_target = load_reference_target(target, quiet=not progress_bar)
         ref_tau = []
         probe = Runtime(target, None, n_threads=n_threads, n_ctx=512)
         for p in prompts:

@@ -446,15 +446,20 @@ def first_divergence(report: dict) -> dict | None:
 
 # ---------------------------------------------------------------- all stages
 
-def load_reference_target(path):
-    """The reference target, with transformers' progress bars and notices off."""
+def load_reference_target(path, quiet: bool = False):
+    """The reference target, with transformers' notices off, and its progress bars too when quiet
+    (its GGUF loader draws one of tqdm's own, which transformers' switch does not reach)."""
+    import contextlib
+    import io
+
     import transformers
 
     from dflash_llama.reference import Target
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    return Target.load(path)
+    with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+        return Target.load(path)
 
 
 def run_parity(cfg: ParityConfig, progress_bar: bool = True) -> dict:
@@ -511,7 +516,7 @@ def run_parity(cfg: ParityConfig, progress_bar: bool = True) -> dict:
         }
         report["stages"]["converter"] = stage_converter(cfg)
         progress.step("converter")
-        reference_target = load_reference_target(cfg.target_hf or cfg.target)
+        reference_target = load_reference_target(cfg.target_hf or cfg.target, quiet=not progress_bar)
         report["stages"]["capture"] = stage_capture(cfg, rt, reference_target, target_cat,
                                                     target_info.architecture, hf_ids, progress)
 
