@@ -55,6 +55,17 @@ def test_run_defaults_to_the_adaptive_loop(capsys, cache):
     assert 1 <= shadow <= probes and probes - shadow <= steps - plain  # greedy: it opens with a shadow probe
     assert share == round(100 * plain / steps)
     assert re.search(r"; step costs measured first in \d+ ms\n", err), err
+    # the speeds compared: runs that do not stream, in mirrored order (a second round while short)
+    timed = re.search(r"speedup \d+\.\d+x \(DFlash [\d.]+ / autoregressive [\d.]+ tok/s, each timed (\d) times: "
+                      r"(A D D A(?: D A A D)?)\)", err)
+    assert timed and int(timed.group(1)) == timed.group(2).count("D"), err
+
+
+def test_run_of_one_token_measures_no_speedup(capsys, cache):
+    assert cli.main(["run", "-p", PROMPT, "-n", "1", "-t", "2"]) == 0
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("exact: yes (identical to the target's greedy output); no speedup measured: the one "
+                                 "token came from the prompt's decode"), err
 
 
 def test_run_with_a_missing_draft_says_so(capsys, cache, tmp_path):
