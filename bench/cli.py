@@ -23,12 +23,12 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_llama.argtypes import int_list
 from dflash_llama.cli_args import (
     EXIT_INEXACT,
     add_generation_args,
     add_model_args,
     finite_float,
-    int_list,
     parse_draft_max,
     threads,
 )

@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 from dflash_llama import fixtures, peers, prompts, toolbuild
+from dflash_llama.argtypes import int_list
 from dflash_llama.bench.runner import text_matches
-from dflash_llama.cli_args import int_list
 from dflash_llama.converter.pair import DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB, DEFAULT_DRAFT, resolve_draft
 
 BUILDS = ("ours", "stock", "stock, one-row sgemm")

@@ -76,17 +76,6 @@ def add_block_size_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="draft block size (default: the draft's)")
 
 
-def int_list(text: str, what: str, minimum: int) -> list[int]:
-    """An argparse type: comma-separated integers >= minimum, sorted, each once."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{what} must be comma-separated integers, got {text!r}") from None
-    if not values or any(v < minimum for v in values):
-        raise argparse.ArgumentTypeError(f"{what} must be integers >= {minimum}, got {text!r}")
-    return sorted(set(values))
-
-
 def parse_draft_max(text: str) -> str | int:
     """argparse type of `--draft-max`: 'auto' or an integer >= 1."""
     if text == "auto":
