@@ -29,8 +29,8 @@ DEFAULT_PROMPT = '''def running_median(values: list[float]) -> list[float]:
 '''
 
 
-TIMED_MS = 1500.0  # decode time each of DFlash and plain decoding is timed for, at least ...
-MAX_ROUNDS = 2     # ... in at most this many rounds of A D D A
+TIMED_MS = 1500.0        # decode time each of DFlash and plain decoding is timed for, at least ...
+ROUNDS = ("DDA", "DAAD")  # ... in these rounds (after the check's A): A D D A, then D A A D
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,10 +113,10 @@ def main(args: argparse.Namespace) -> int:
     # from going first and a short generation is not timed on half a second alone
     runs = {"A": [ar], "D": []}
     order = "A"
-    for rnd in range(MAX_ROUNDS):
+    for rnd, rest in enumerate(ROUNDS):
         if rnd and min(_decode_ms(runs["D"]), _decode_ms(runs["A"])) >= TIMED_MS:
             break
-        for m in ("DDA" if rnd == 0 else "DAAD"):
+        for m in rest:
             if m == "A":
                 runs["A"].append(rt.autoregressive(args.prompt, args.n_predict))
             else:
