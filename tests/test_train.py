@@ -22,6 +22,7 @@ from dflash_llama.train.data import (
     iter_sequences,
     self_prompts,
     signature_line,
+    storage_features,
 )
 from dflash_llama.train.trainer import (
     TrainConfig,
@@ -186,6 +187,17 @@ def test_dataset_holds_the_targets_own_responses_and_features(dataset):
         assert list(tokens[prompt_len:]) == rt.autoregressive(ptoks, 24).tokens  # greedy response
         assert feats.dtype == np.float16 and feats.shape == (len(tokens), 2 * 64)
         np.testing.assert_array_equal(feats, rt.capture(list(tokens), LAYERS).astype(np.float16))
+
+
+def test_features_too_large_for_float16_are_stored_as_captured():
+    fits = np.array([[1.5, -65000.0], [0.25, 3.0]], dtype=np.float32)
+    assert storage_features(fits).dtype == np.float16
+    np.testing.assert_array_equal(storage_features(fits), fits.astype(np.float16))
+    big = fits.copy()
+    big[0, 1] = -101960.664  # Gemma 3 270M's residual stream at the BOS token, layer 13
+    stored = storage_features(big)
+    assert stored.dtype == np.float32 and np.isfinite(stored).all()
+    np.testing.assert_array_equal(stored, big)
 
 
 def test_a_rerun_resumes_instead_of_redoing(dataset, tmp_path):

@@ -8,13 +8,14 @@ is never read.
 
 The target (a GGUF, through our C++ runtime: llama.cpp is much faster than transformers on a CPU)
 answers each prompt greedily; the features the draft reads (target hidden states at its target
-layers) are captured for prompt and response in one prefill and stored as float16.
+layers) are captured for prompt and response in one prefill and stored as float16, or as float32 in
+a shard where a value would not fit float16 (Gemma 3's residual stream passes 65,504 at the BOS token).
 
 A dataset is a folder of shards, `shard-NNNNN.safetensors`, each holding
     tokens      int32 [n_tokens]            prompt + response of every sequence, concatenated
     offsets     int64 [n_seq + 1]           sequence i is tokens[offsets[i]:offsets[i+1]]
     prompt_lens int32 [n_seq]               the first prompt_lens[i] tokens of sequence i are prompt
-    features    float16 [n_tokens, n_taps * n_embd]
+    features    float16 or float32 [n_tokens, n_taps * n_embd]
 and `manifest.json` (target, layer ids, prompts done), so an interrupted build resumes.
 """
 
@@ -289,7 +290,7 @@ def build_dataset(runtime, prompts: Sequence[str], out_dir: str | os.PathLike, s
                 continue
             resp = runtime.autoregressive(ptoks, spec.max_new_tokens).tokens
             seq = ptoks + resp
-            feats.append(runtime.capture(seq, spec.layer_ids).astype(np.float16))
+            feats.append(runtime.capture(seq, spec.layer_ids))
             seqs.append(np.asarray(seq, dtype=np.int32))
             prompt_lens.append(len(ptoks))
             bar.update(1)
@@ -300,7 +301,7 @@ def build_dataset(runtime, prompts: Sequence[str], out_dir: str | os.PathLike, s
             tmp = out / (name + ".tmp")
             save_file({"tokens": np.concatenate(seqs), "offsets": offsets,
                        "prompt_lens": np.asarray(prompt_lens, dtype=np.int32),
-                       "features": np.concatenate(feats)}, str(tmp))
+                       "features": storage_features(np.concatenate(feats))}, str(tmp))
             os.replace(tmp, out / name)
             manifest["shards"].append(name)
             manifest["n_tokens"] += int(offsets[-1])
@@ -312,6 +313,15 @@ def build_dataset(runtime, prompts: Sequence[str], out_dir: str | os.PathLike, s
         bar.set_postfix(response_tokens=manifest["n_response_tokens"])
     bar.close()
     return out
+
+
+F16_MAX = float(np.finfo(np.float16).max)
+
+
+def storage_features(feats: np.ndarray) -> np.ndarray:
+    """A shard's features as stored: float16, or float32 as captured where a value does not fit float16
+    (it would be stored as inf and poison training)."""
+    return feats.astype(np.float16) if np.abs(feats).max(initial=0.0) < F16_MAX else feats
 
 
 def iter_sequences(data_dir: str | os.PathLike) -> Iterable[tuple[np.ndarray, int, np.ndarray]]:
