@@ -513,6 +513,33 @@ def test_a_reduced_vocabulary_is_trained_saved_converted_and_run(dataset, tiny_t
         convert(ckpt, tiny_target_gguf, tmp_path / "bad.gguf", outtype="f32")
 
 
+def test_a_draft_vocabulary_larger_than_the_responses_keeps_what_they_use(dataset, tiny_target_gguf, tmp_path,
+                                                                          capsys):
+    """--draft-vocab K above the number of distinct response tokens keeps those (and says so in one line);
+    the model card shows the size trained, not K."""
+    from safetensors.torch import load_file
+
+    from dflash_llama import gguf_info, schema as L
+    from dflash_llama.train.model_card import _loss_vocabulary
+
+    cfg = TrainConfig(target_layer_ids=LAYERS, layers=1, block_size=4, heads=4, kv_heads=2, head_dim=16, ffn=64,
+                      epochs=0.5, batch=2, anchors=8, heldout=2, eval_every=100, lr=5e-3, draft_vocab=4000, seed=0)
+    ckpt = tmp_path / "draft"
+    train(dataset[0], tiny_target_gguf, ckpt, cfg, progress=False, threads=2)
+    kept = json.loads((ckpt / "config.json").read_text())[L.DRAFT_VOCAB_SIZE]
+    ids = (torch.arange(kept) + load_file(str(ckpt / "model.safetensors"))["d2t"]).tolist()
+    eos = gguf_info(tiny_target_gguf).metadata["tokenizer.ggml.eos_token_id"]
+    assert kept < 4000 and set(ids) <= set(response_counts(dataset[0])) | {eos}
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"--draft-vocab 4000: the training responses use {kept:,} distinct tokens (end-of-generation ones "
+        f"included); the draft keeps those {kept:,}")
+    assert _loss_vocabulary({"draft_vocab": 4000}, kept).startswith(
+        f"a reduced draft vocabulary of {kept:,} tokens (`--draft-vocab 4000`: every token the responses use, "
+        f"saved as d2t")
+    assert _loss_vocabulary({"draft_vocab": 64}).startswith(
+        "a reduced draft vocabulary of 64 tokens (`--draft-vocab`, ")
+
+
 def response_counts(data_dir) -> dict[int, int]:
     """Response token counts of a dataset."""
     counts: dict[int, int] = {}

@@ -185,6 +185,9 @@ def _train(args: argparse.Namespace, target: Path, data: Path, layer_ids: list[i
     log = train([data, *args.extra_data], target, args.out, cfg, threads=args.threads, init=args.init)
     summary = {"steps": log.steps[-1] if log.steps else 0, "final_loss": log.loss[-1] if log.loss else None,
                "heldout_tau": log.heldout_tau[-1][1] if log.heldout_tau else None, "wall_s": round(log.wall_s, 1)}
+    kept = json.loads((args.out / "config.json").read_text()).get("draft_vocab_size")
+    if kept:  # --draft-vocab K keeps at most K: no more than the responses use
+        summary["draft_vocab_size"] = kept
     init_log = args.init / "train_log.json" if args.init else None
     record = {**summary, "command": "dflash-llama train " + " ".join(sys.argv[2:]), "config": asdict(cfg),
               "data": [str(d) for d in [data, *args.extra_data]],

@@ -75,7 +75,7 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
                   f"   - {st.get('steps')} optimizer steps of {c.get('batch', '?')} sequences x {c.get('anchors', '?')} "
                   f"anchor blocks, {st.get('wall_s', 0) / 60:.0f} min wall time{_threads(st)}{_autocast(c)}; "
                   f"AdamW lr {c.get('lr', '?')} with {100 * c.get('warmup', 0):.0f}% warmup and cosine decay, "
-                  f"{_loss_vocabulary(c)}{_distill(c)}{_gamma(c)}; final loss {st.get('final_loss') or float('nan'):.3f}, held-out "
+                  f"{_loss_vocabulary(c, st.get('draft_vocab_size'))}{_distill(c)}{_gamma(c)}; final loss {st.get('final_loss') or float('nan'):.3f}, held-out "
                   f"{_heldout_measure(c)} tau (greedy, full vocabulary) {st.get('heldout_tau') or float('nan'):.3f}"] + ([f"   - {st['note']}"] if st.get("note") else [])
     if stages:
         lines += ["", "Recipe: random anchors in the responses, per-block attention masks, position weights "
@@ -130,10 +130,14 @@ def _self_written(datasets: list[dict]) -> str:
             + ", ".join(kinds) + ")")
 
 
-def _loss_vocabulary(c: dict) -> str:
+def _loss_vocabulary(c: dict, kept: int | None = None) -> str:
+    """kept: the draft vocabulary's size as trained (train_log's draft_vocab_size), when the responses used
+    fewer tokens than --draft-vocab asked for."""
     if c.get("draft_vocab"):
-        return (f"a reduced draft vocabulary of {c['draft_vocab']} tokens (`--draft-vocab`, saved as d2t: the most "
-                f"frequent response tokens and the end-of-generation ones), the loss over them plus each batch's targets")
+        size = (f"{kept:,} tokens (`--draft-vocab {c['draft_vocab']}`: every token the responses use"
+                if kept and kept < c["draft_vocab"] else f"{c['draft_vocab']} tokens (`--draft-vocab`")
+        return (f"a reduced draft vocabulary of {size}, saved as d2t: the most frequent response tokens and the "
+                f"end-of-generation ones), the loss over them plus each batch's targets")
     return f"loss over the {c.get('vocab_subset', '?')} most frequent response tokens plus each batch's targets"
 
 

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -426,6 +427,9 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
     d2t = None
     if cfg.draft_vocab:  # the draft's own vocabulary, and the loss's: its rows are all it can propose
         d2t = vocab = draft_vocabulary((sequences[i] for i in train_ids), cfg.draft_vocab, target_gguf)
+        if len(d2t) < cfg.draft_vocab:
+            print(f"--draft-vocab {cfg.draft_vocab}: the training responses use {len(d2t):,} distinct tokens "
+                  f"(end-of-generation ones included); the draft keeps those {len(d2t):,}", file=sys.stderr)
     vocab_index = None if vocab is None else subset_index(vocab, draft.config.n_vocab)
 
     params = [p for p in draft.parameters() if p.requires_grad]
