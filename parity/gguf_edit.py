@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
@@ -22,10 +22,11 @@ def _field_value(field) -> Any:
 
 
 def copy_gguf(src: str | os.PathLike, dst: str | os.PathLike, kv: KVEdits | None = None,
-              tensors: TensorEdit | None = None) -> Path:
+              tensors: TensorEdit | None = None, widen: Collection[str] = ()) -> Path:
     """Write `dst` = `src` with key-values replaced per `kv` and tensors passed through `tensors`.
 
-    An edited quantized tensor is re-quantized to its original type.
+    An edited quantized tensor is re-quantized to its original type; a tensor named in `widen` is
+    written as float32, dequantised (the same values in a wider type).
     """
     kv = dict(kv or {})
     reader = GGUFReader(str(src))
@@ -50,6 +51,10 @@ def copy_gguf(src: str | os.PathLike, dst: str | os.PathLike, kv: KVEdits | None
         qtype = GGMLQuantizationType(t.tensor_type)
         data = np.asarray(t.data)
         new = None
+        if t.name in widen:
+            shape = tuple(reversed([int(x) for x in t.shape]))
+            writer.add_tensor(t.name, dequantize(data, qtype).reshape(shape).astype(np.float32))
+            continue
         if tensors is not None:
             f32 = dequantize(data, qtype).reshape(tuple(reversed([int(x) for x in t.shape])))
             new = tensors(t.name, f32.astype(np.float32))

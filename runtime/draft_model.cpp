@@ -285,6 +285,19 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
 
     check_tensors_in_file(gguf.get(), path);  // before any buffer is sized from the header
 
+    // fc multiplies the target's hidden states as captured. A backend multiplies an f16 weight with its
+    // activations converted to f16, and some targets' residual streams pass f16's 65,504 (Gemma 3 270M:
+    // 101,960 at the BOS token), which turns the draft's whole context into inf: an f16 fc is widened
+    // to f32 as it is read (exact; the file is unchanged).
+    const bool widen_fc = draft.fc->type == GGML_TYPE_F16;
+    if (widen_fc) {
+        draft.fc->type  = GGML_TYPE_F32;
+        draft.fc->nb[0] = sizeof(float);
+        for (int d = 1; d < GGML_MAX_DIMS; ++d) {
+            draft.fc->nb[d] = draft.fc->nb[d - 1] * draft.fc->ne[d - 1];
+        }
+    }
+
     // read every tensor's bytes from the file into one backend buffer
     draft.buf = ggml_backend_alloc_ctx_tensors_from_buft(meta, buft);
     if (draft.buf == nullptr) {
@@ -301,12 +314,19 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
         const char * name = gguf_get_tensor_name(gguf.get(), i);
         ggml_tensor * t = ggml_get_tensor(meta, name);
         const size_t offset = gguf_get_data_offset(gguf.get()) + gguf_get_tensor_offset(gguf.get(), i);
-        const size_t nbytes = ggml_nbytes(t);
+        const bool widen = widen_fc && t == draft.fc;
+        const size_t nbytes = widen ? (size_t) ggml_nelements(t) * sizeof(ggml_fp16_t) : ggml_nbytes(t);
         staging.resize(nbytes);
         if (std::fseek(f.get(), (long) offset, SEEK_SET) != 0 || std::fread(staging.data(), 1, nbytes, f.get()) != nbytes) {
             fail(path, std::string("cannot read tensor '") + display_string(name) + "'");
         }
-        ggml_backend_tensor_set(t, staging.data(), 0, nbytes);
+        if (widen) {
+            std::vector<float> f32((size_t) ggml_nelements(t));
+            ggml_fp16_to_fp32_row((const ggml_fp16_t *) staging.data(), f32.data(), ggml_nelements(t));
+            ggml_backend_tensor_set(t, f32.data(), 0, ggml_nbytes(t));
+        } else {
+            ggml_backend_tensor_set(t, staging.data(), 0, nbytes);
+        }
         if (t == draft.d2t) {
             const auto * ids = (const int64_t *) staging.data();
             for (int64_t j = 0; j < t->ne[0]; ++j) {

@@ -257,3 +257,26 @@ def test_every_call_computes_on_the_runtimes_one_thread(rt):
     with pytest.raises(ValueError, match="the prompt has 300 tokens but the context holds 256"):
         "".join(rt.generate([1] * 300, 4, stream=True))
     assert rt.generate("def f(x):", 12).tokens == plain.tokens  # and the thread goes on
+
+
+def test_an_f16_fc_reads_hidden_states_beyond_the_range_of_f16(tiny_draft_hf, tiny_target_gguf, tmp_path):
+    """A backend multiplies an f16 weight with its activations converted to f16, and Gemma 3 270M's
+    residual stream reaches 101,960 (f16 stops at 65,504): an f16 `fc` is widened to f32 as the runtime
+    reads it, so the draft computes what the same draft with `fc` stored in f32 computes, bit for bit."""
+    from dflash_llama import gguf_info
+
+    f16 = convert(tiny_draft_hf, tiny_target_gguf, tmp_path / "d16.gguf", outtype="f16")
+    wide = copy_gguf(f16, tmp_path / "d16-fc32.gguf", widen={"fc.weight"})
+    types = {p: {t.name: t.type for t in gguf_info(p).tensors} for p in (f16, wide)}
+    assert types[f16]["fc.weight"] == "f16" and types[wide]["fc.weight"] == "f32"
+    assert types[f16]["blk.0.attn_q.weight"] == types[wide]["blk.0.attn_q.weight"] == "f16"
+    info = gguf_info(f16)
+    n_in = len(info.get("target_layers")) * int(info.get("embedding_length"))
+    feats = np.random.default_rng(0).standard_normal((6, n_in)).astype(np.float32)
+    feats[0, 3] = 101_960.0  # as Gemma 3's BOS token in channel 163
+    out = [dflash_llama.Runtime(tiny_target_gguf, d, n_threads=1, n_ctx=64).trace_draft(feats, [5, 6, 7, 8])
+           for d in (f16, wide)]
+    assert np.isfinite(out[0]["fc_out"]).all() and np.isfinite(out[0]["result_output"]).all()
+    assert out[0].keys() == out[1].keys()
+    for name in out[0]:
+        np.testing.assert_array_equal(out[0][name], out[1][name], err_msg=name)
