@@ -102,10 +102,10 @@ def draft_and_name(draft: str | None, target: str) -> tuple[str, str]:
     """(GGUF path, report name) for -md (converter.pair.resolve_draft: a Hugging Face draft converted
     as `dflash-llama run` decodes with it, q8_0 with 8192 tokens, cached); the name is the GGUF's
     stem, or the folder's name."""
-    from dflash_llama.converter.pair import DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB, DEFAULT_DRAFT, resolve_draft
+    from dflash_llama.converter.pair import DECODE_DRAFT_TYPE, DEFAULT_DRAFT, resolve_draft
 
     path = Path(draft) if draft else DEFAULT_DRAFT
-    return (str(resolve_draft(path, target, DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB)),
+    return (str(resolve_draft(path, target, DECODE_DRAFT_TYPE, None)),  # a draft with its own d2t keeps it
             path.stem if path.is_file() else path.name)
 
 

@@ -14,8 +14,10 @@ import os
 from pathlib import Path
 
 import dflash_llama
+from dflash_llama import schema as L
 from dflash_llama.paths import cache_dir
 
+from .checkpoint import read_config
 from .conversion import convert
 
 DEFAULT_DRAFT = Path(dflash_llama.__file__).resolve().parent / "data" / "smollm2-135m-dflash"
@@ -26,10 +28,11 @@ DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB = "q8_0", 8192
 
 
 def resolve_draft(draft: str | os.PathLike, target: str | os.PathLike, outtype: str = "f16",
-                  draft_vocab: int = 0) -> Path:
+                  draft_vocab: int | None = 0) -> Path:
     """A GGUF for `draft`: itself if it is one, the one GGUF of a folder, else the cached `outtype`
     conversion of a Hugging Face directory for `target` (with a reduced vocabulary of `draft_vocab`
-    tokens when > 0, see `vocabulary`)."""
+    tokens when > 0, see `vocabulary`; None: DECODE_DRAFT_VOCAB, or the checkpoint's own reduced
+    vocabulary where it has one, as a trained `--draft-vocab` draft does)."""
     draft, target = Path(draft), Path(target)
     if draft.is_file():
         if draft.suffix != ".gguf":
@@ -47,6 +50,8 @@ def resolve_draft(draft: str | os.PathLike, target: str | os.PathLike, outtype: 
         if ggufs:
             raise ValueError(f"draft {draft} holds {len(ggufs)} GGUF files: name the one to use")
         raise ValueError(f"draft {draft}: neither a GGUF nor a Hugging Face checkpoint (no config.json)")
+    if draft_vocab is None:
+        draft_vocab = 0 if L.DRAFT_VOCAB_SIZE in read_config(draft) else DECODE_DRAFT_VOCAB
     vocab = f"-v{draft_vocab}" if draft_vocab else ""
     out = cache_dir() / f"{draft.name}-{_key(draft, target, outtype + vocab)}-{outtype}{vocab}.gguf"
     if not out.exists():

@@ -205,7 +205,11 @@ def plot(r: dict, path: str | Path) -> None:
     ax.axhline(floor, color="0.6", lw=0.6)
     ax.annotate("exact (0)", (len(names) - 0.5, floor), fontsize=7, color="0.4", ha="right", va="bottom")
     for f in g.get("failures", []):
-        ax.plot(names.index(f["name"]) + offsets.get(f["pair"], 0.0), f["error"], "x", color="red", ms=9, mew=2)
+        at = names.index(f["name"]) + offsets.get(f["pair"], 0.0)
+        if f["error"] is None:  # inf or NaN (stored as null): marked at the top of the axis
+            ax.annotate("x inf", (at, 0.9), xycoords=("data", "axes fraction"), color="red", fontsize=8, ha="center")
+        else:
+            ax.plot(at, f["error"], "x", color="red", ms=9, mew=2)
     fd = r.get("first_divergence")
     if fd and fd.get("name") in names:
         ax.axvline(names.index(fd["name"]), color="red", lw=0.8, alpha=0.5)

@@ -12,6 +12,7 @@ import torch
 
 import dflash_llama
 from dflash_llama.converter import convert
+from dflash_llama.converter.pair import resolve_draft
 from dflash_llama.reference.checkpoint import load_draft
 from dflash_llama.train.data import (
     SELF_OPENER,
@@ -474,7 +475,7 @@ def test_model_card_says_how_each_stage_was_trained(tmp_path):
     assert "| all | | 14 | 130 (250 with prompts) |" in card and "up to 128 or 192 tokens each" in card
 
 
-def test_a_reduced_vocabulary_is_trained_saved_converted_and_run(dataset, tiny_target_gguf, tmp_path):
+def test_a_reduced_vocabulary_is_trained_saved_converted_and_run(dataset, tiny_target_gguf, tmp_path, monkeypatch):
     """--draft-vocab K: the K most frequent response tokens and the end-of-generation ones, saved as
     published checkpoints save a d2t (offsets); the converter, the runtime and the reference read it."""
     from safetensors.torch import load_file, save_file
@@ -498,6 +499,9 @@ def test_a_reduced_vocabulary_is_trained_saved_converted_and_run(dataset, tiny_t
 
     gguf = convert(ckpt, tiny_target_gguf, tmp_path / "draft.gguf", outtype="f32")
     assert gguf_info(gguf).read(L.D2T).tolist() == ids.tolist()
+    # `dflash-llama run` and `bench` (draft_vocab None): the draft's own vocabulary, not DECODE_DRAFT_VOCAB's
+    monkeypatch.setenv("DFLASH_LLAMA_CACHE", str(tmp_path / "cache"))
+    assert gguf_info(resolve_draft(ckpt, tiny_target_gguf, "f32", None)).read(L.D2T).tolist() == ids.tolist()
     rt = dflash_llama.Runtime(tiny_target_gguf, gguf, n_threads=2, n_ctx=256)
     g = rt.generate("def add(a, b):", 24, draft_max=None)
     assert g.tokens == rt.autoregressive("def add(a, b):", 24).tokens

@@ -60,7 +60,7 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
         + " (`train/data.py`); "
         "HumanEval itself is held out for evaluation and never read. The target's own greedy "
         f"responses (up to {' or '.join(map(str, lengths))} tokens each, through our C++ runtime), its features at the draft's target "
-        "layers captured once and stored as f16.",
+        "layers captured once and stored as f16 (f32 in a shard where a value passes f16's range).",
         "",
         "| dataset | prompts (`dflash_llama.train.data`) | sequences | response tokens |",
         "|---|---|---:|---:|",

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"weight type an HF draft directory is converted to (default {DECODE_DRAFT_TYPE})")
     p.add_argument("--draft-vocab", type=int, metavar="K",
                    help=f"reduced draft vocabulary of an HF draft directory (convert --draft-vocab; 0: the "
-                        f"whole vocabulary; default {DECODE_DRAFT_VOCAB})")
+                        f"whole vocabulary; default {DECODE_DRAFT_VOCAB}, or the draft's own where it has one)")
     add_generation_args(p, prompt=DEFAULT_PROMPT)
     add_block_size_arg(p)
     add_draft_max_arg(p)
@@ -73,10 +73,9 @@ def main(args: argparse.Namespace) -> int:
             raise ConversionError(f"{flags[0]} converts a Hugging Face draft directory; {given} is a GGUF already "
                                   "(convert the directory with dflash-llama convert to change it)")
     draft_type = DECODE_DRAFT_TYPE if args.draft_type is None else args.draft_type
-    draft_vocab = DECODE_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
-    if draft_vocab < 0:
-        raise ConversionError(f"--draft-vocab {draft_vocab}: expected 0 (the whole vocabulary) or more")
-    draft = resolve_draft(given, target, draft_type, draft_vocab)
+    if args.draft_vocab is not None and args.draft_vocab < 0:
+        raise ConversionError(f"--draft-vocab {args.draft_vocab}: expected 0 (the whole vocabulary) or more")
+    draft = resolve_draft(given, target, draft_type, args.draft_vocab)  # None: DECODE_DRAFT_VOCAB or its own
     rt = Runtime(target, draft, n_threads=args.threads, n_ctx=args.ctx_size, n_gpu_layers=args.n_gpu_layers)
 
     stream = rt.generate(args.prompt, args.n_predict, block_size=args.block_size, draft_max=args.draft_max,
