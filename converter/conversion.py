@@ -97,8 +97,8 @@ def convert(draft_dir: str | os.PathLike, target: str | os.PathLike, out: str | 
 
 def make_plan(draft_dir: Path, target: str | os.PathLike) -> Plan:
     where = str(draft_dir / "config.json")
-    config = read_config(draft_dir)
     try:
+        config = L.normalized_hf_config(read_config(draft_dir))  # speculators' format, read as z-lab's
         cfg = DraftHParams.from_hf_config(config, where)
     except ValueError as e:
         raise ConversionError(str(e)) from e
@@ -165,8 +165,12 @@ def _map_tensors(cfg: DraftHParams, tensors: dict[str, SourceTensor], dims: dict
     for hf_name, src in tensors.items():
         hit = L.gguf_tensor_name(hf_name) if len(hf_name) <= MAX_TENSOR_NAME else None
         if hit is None:
-            raise ConversionError(f"{draft_dir}: unexpected tensor {hf_name!r}: not part of a DFlash 1 draft")
+            raise ConversionError(f"{draft_dir}: unexpected tensor {hf_name!r}: not part of a "
+                                  f"{cfg.variant.title} draft")
         name, spec = hit
+        if spec.head and not cfg.variant.has(spec.head):
+            raise ConversionError(f"{draft_dir}: tensor {hf_name!r} belongs to a DFlash 2 draft, but config.json "
+                                  f"describes a {cfg.variant.title} draft (architectures, dflash_config)")
         layer = L.layer_index(name)
         if layer is not None and layer >= cfg.n_layer:
             raise ConversionError(f"{draft_dir}: tensor {hf_name!r} is beyond num_hidden_layers = {cfg.n_layer}")
@@ -177,9 +181,7 @@ def _map_tensors(cfg: DraftHParams, tensors: dict[str, SourceTensor], dims: dict
                                   f"config.json implies {list(want)}{hint}")
         mapped.append((name, src))
     have = {name for name, _ in mapped}
-    for spec in L.TENSORS:
-        if not spec.required:
-            continue
+    for spec in cfg.tensor_specs():
         for bid in range(cfg.n_layer) if "{bid}" in spec.gguf else [None]:
             name = spec.gguf.format(bid=bid)
             if name not in have:

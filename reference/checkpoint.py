@@ -101,7 +101,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def _check_shapes(source, cfg: DraftConfig, tensors: dict) -> None:
     """Exactly the required tensors of the layout table, in the shapes the config implies."""
     shapes = {spec.hf.format(bid=bid): tuple(reversed(S.expected_shape(spec, cfg.dims())))
-              for spec in S.TENSORS if spec.required
+              for spec in cfg.tensor_specs()
               for bid in (range(cfg.n_layer) if "{bid}" in spec.hf else [None])}
     missing = sorted(set(shapes) - set(tensors))
     if missing:
@@ -110,7 +110,7 @@ def _check_shapes(source, cfg: DraftConfig, tensors: dict) -> None:
     unexpected = sorted(set(tensors) - set(shapes))
     if unexpected:
         raise ValueError(f"{source}: unexpected tensors {', '.join(unexpected[:3])} "
-                         "(not a DFlash 1 draft, or a variant the reference does not support)")
+                         f"(not a tensor of a {cfg.variant.title} draft)")
     for name, shape in shapes.items():
         if tuple(tensors[name].shape) != shape:
             raise ValueError(f"{source}: tensor {name} has shape {tuple(tensors[name].shape)}, "

@@ -67,9 +67,14 @@ def test_names_map_both_ways():
 
 def test_shapes_and_f32_rule():
     dims = {"n_embd": 64, "n_taps": 3, "n_head": 8, "n_head_kv": 2, "head_dim": 16, "n_ff": 128,
-            "n_vocab": 100}
+            "n_vocab": 100, "conv_k": 2, "conv_groups": 4, "selector_rank": 16}
     shape = {s.gguf: L.expected_shape(s, dims) for s in L.TENSORS}
     assert shape["fc.weight"] == (192, 64)
+    assert shape["blk.{bid}.attn_conv_base"] == (64, 2, 2)  # {n_embd, K, 2}, as the pinned loader creates it
+    assert shape["blk.{bid}.ffn_conv_proj.weight"] == (64, 16)  # {n_embd, 2 K G}
+    assert shape["selector_successor.weight"] == (16, 100)
+    assert shape["selector_hidden.weight"] == (64, 16)
+    assert L.stays_f32("blk.0.attn_conv_base", 3)  # no .weight: the pinned converter keeps it f32
     assert shape["blk.{bid}.attn_k.weight"] == (64, 32)
     assert shape["blk.{bid}.attn_output.weight"] == (128, 64)
     assert shape["blk.{bid}.ffn_down.weight"] == (128, 64)

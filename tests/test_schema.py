@@ -22,10 +22,11 @@ KEY_LITERAL = re.compile(r'"(dflash\.[A-Za-z0-9_.]+)"')
 PLANTED_KEYS = {
     S.HIDDEN_ACTIVATION: "gelu", S.ATTENTION_SCALE: 0.5, S.VALUE_SCALE: 0.5,
     S.ROPE_DIMENSION_SECTIONS: [4, 2, 2, 0], S.ROPE_SCALING_TYPE: "yarn", S.VALUE_LENGTH: 8,
-    S.ROPE_DIMENSION_COUNT: 8, S.CONV_KERNEL_SIZE: 4, S.CONV_GROUP_SIZE: 4, S.SELECTOR_RANK: 4,
-    S.SELECTOR_TOP_K: 4, S.SAMPLE_FROM_ANCHOR: True, S.HAS_CONFIDENCE_HEAD: True,
+    S.ROPE_DIMENSION_COUNT: 8, S.SAMPLE_FROM_ANCHOR: True, S.HAS_CONFIDENCE_HEAD: True,
     S.HYPER_CONNECTION_COUNT: 4,
 }
+# a variant's keys come all together: one alone is refused (the others named), as is a non-positive one
+PLANTED_VARIANT_KEYS = {k: 4 for k in S.DFLASH2_KEYS}
 PLANTED_TENSORS = [r.name.format(bid=0) for r in S.REFUSALS if r.tensor]
 
 
@@ -96,6 +97,25 @@ def test_runtime_and_reference_refuse_the_same_key(key, tiny_draft_gguf, tiny_ta
     planted = copy_gguf(tiny_draft_gguf, tmp_path / "planted.gguf", kv={key: PLANTED_KEYS[key]})
     assert S.refusals(GGUFReaderKV(planted)) != []
     _both_refuse(tiny_target_gguf, planted, key)
+
+
+@pytest.mark.parametrize("key", sorted(PLANTED_VARIANT_KEYS))
+def test_a_variant_key_alone_is_refused_by_both(key, tiny_draft_gguf, tiny_target_gguf, tmp_path):
+    planted = copy_gguf(tiny_draft_gguf, tmp_path / "planted.gguf", kv={key: PLANTED_VARIANT_KEYS[key]})
+    missing = [k for k in S.DFLASH2_KEYS if k != key]
+    assert S.refusals(GGUFReaderKV(planted)) == [
+        f"'{k}' missing: a DFlash 2 draft needs {', '.join(S.DFLASH2_KEYS)}" for k in missing]
+    _both_refuse(tiny_target_gguf, planted, missing[0])
+
+
+def test_variant_keys_and_tensors_must_agree():
+    kv = {k: 4 for k in S.DFLASH2_KEYS}
+    assert S.variant_of_gguf(kv) is S.DFLASH2 and S.variant_of_gguf({}) is S.DFLASH1
+    assert S.refusals({**kv, S.SELECTOR_RANK: 0}) == [f"'{S.SELECTOR_RANK}' = 0: expected a positive integer"]
+    assert S.refusals({}, ["selector_hidden.weight", "blk.0.attn_conv_base"]) == [
+        f"tensor '{name}': a DFlash 2 tensor in a DFlash 1 draft (no {' / '.join(S.DFLASH2_KEYS)})"
+        for name in ("selector_hidden.weight", "blk.0.attn_conv_base")]
+    assert S.refusals(kv, ["selector_hidden.weight", "blk.0.attn_conv_base", "blk.0.ffn_conv_proj.weight"]) == []
 
 
 @pytest.mark.parametrize("name", PLANTED_TENSORS)

@@ -76,6 +76,14 @@ class TinyDraftConfig:
     dtype: str = "bfloat16"  # as published
     seed: int = 1
     extra_config: dict = field(default_factory=dict)
+    # DFlash 2 (variant "dflash2"): convolution taps and groups, selector rank and top-K; identity:
+    # convolutions that pass their input through (tap 0 = 1, projection 0), a DFlash 1 layer
+    variant: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 16
+    selector_top_k: int = 4
+    identity_conv: bool = False
 
 
 @functools.lru_cache(maxsize=1)
@@ -166,7 +174,12 @@ def tiny_draft_hf(out_dir: str | os.PathLike, target_hf_dir: str | os.PathLike,
         n_ff=cfg.ffn, mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids,
         n_vocab=tcfg["vocab_size"], n_layer_target=n_target_layers, block_size=cfg.block_size,
         n_ctx_train=4096, rope_freq_base=cfg.rope_theta, sliding_window=cfg.sliding_window,
-        swa_layers=[t == SLIDING_ATTENTION for t in cfg.layer_types or []])
+        swa_layers=[t == SLIDING_ATTENTION for t in cfg.layer_types or []],
+        **(dict(conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
+                selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
+           if cfg.variant == "dflash2" else {}))
+    if hparams.variant.name != cfg.variant:
+        raise ValueError(f"unknown draft variant {cfg.variant!r}")
     config = hparams.to_hf_config(torch_dtype=cfg.dtype)
     config.update(cfg.extra_config)
 
@@ -199,6 +212,8 @@ def tiny_draft_hf(out_dir: str | os.PathLike, target_hf_dir: str | os.PathLike,
             p + "mlp.up_proj.weight": rand(cfg.ffn, hidden),
             p + "mlp.down_proj.weight": rand(hidden, cfg.ffn),
         })
+    if cfg.variant == "dflash2":
+        tensors.update(_dflash2_tensors(cfg, hparams, rand, g))
     dtype = getattr(torch, cfg.dtype)
     tensors = {k: v.to(dtype).contiguous() for k, v in sorted(tensors.items())}
 
@@ -206,6 +221,32 @@ def tiny_draft_hf(out_dir: str | os.PathLike, target_hf_dir: str | os.PathLike,
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _dflash2_tensors(cfg: TinyDraftConfig, hp: DraftHParams, rand, g) -> dict:
+    """A DFlash 2 draft's convolutions and selector in z-lab's names (codebooks without `.weight`):
+    random taps around the identity (exactly the identity with `cfg.identity_conv`) and codebooks
+    large enough for the selector to reorder the unary ranking."""
+    import torch
+
+    hidden, k = hp.n_embd, cfg.conv_kernel_size
+    groups = hidden // cfg.conv_group_size
+    out = {}
+    for i in range(cfg.layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            base = torch.zeros(2, k, hidden)
+            base[:, 0] = 1.0
+            proj = torch.zeros(2 * k * groups, hidden)
+            if not cfg.identity_conv:
+                base = base + 0.5 * torch.randn(2, k, hidden, generator=g)
+                proj = rand(2 * k * groups, hidden)
+            out[f"layers.{i}.{conv}.base_kernel"] = base
+            out[f"layers.{i}.{conv}.kernel_projection.weight"] = proj
+    n_vocab = hp.n_vocab
+    out["candidate_selector.predecessor_codebook"] = torch.randn(n_vocab, cfg.selector_rank, generator=g)
+    out["candidate_selector.successor_codebook"] = torch.randn(n_vocab, cfg.selector_rank, generator=g)
+    out["candidate_selector.hidden_projection.weight"] = rand(cfg.selector_rank, hidden)
     return out
 
 

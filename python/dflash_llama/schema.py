@@ -99,13 +99,17 @@ HIDDEN_ACTIVATION = _key(_A + "hidden_activation", STR, False, "(never written: 
                          "FFN activation: silu (default) or gelu")
 ATTENTION_SCALE = _key(_A + "attention.scale", F32, False, "(never written)",
                        "attention scale instead of 1/sqrt(head_dim)")
-# DFlash 2 (convolutions + candidate selector) and DSpark (Markov / confidence heads, DeepSeek-V4
-# backbone): read by the pinned llama.cpp, refused here (see REFUSALS)
-CONV_KERNEL_SIZE = _key(_A + "conv_kernel_size", U32, False, "dflash_config.conv_kernel_size", "DFlash 2 convolutions")
-CONV_GROUP_SIZE = _key(_A + "conv_group_size", U32, False, "dflash_config.conv_group_size", "DFlash 2 convolutions")
-SELECTOR_RANK = _key(_A + "selector_rank", U32, False, "dflash_config.selector_rank", "DFlash 2 candidate selector")
+# DFlash 2 (grouped dynamic causal convolutions + candidate selector): all four or none (VARIANTS)
+CONV_KERNEL_SIZE = _key(_A + "conv_kernel_size", U32, False, "dflash_config.conv_kernel_size",
+                        "DFlash 2: taps of each convolution; draft-dflash switches to DFlash 2 when > 0")
+CONV_GROUP_SIZE = _key(_A + "conv_group_size", U32, False, "dflash_config.conv_group_size",
+                       "DFlash 2: channels sharing one dynamic kernel coefficient (n_embd % it == 0)")
+SELECTOR_RANK = _key(_A + "selector_rank", U32, False, "dflash_config.selector_rank",
+                     "DFlash 2: rank of the selector's codebooks")
 SELECTOR_TOP_K = _key(_A + "selector_top_k", U32, False, "dflash_config.selector_top_k",
-                      "DFlash 2 candidate selector; draft-dflash switches to DFlash 2 when > 0")
+                      "DFlash 2: candidates per slot (llama.cpp needs n_embd >= K (K + 1))")
+DFLASH2_KEYS = (CONV_KERNEL_SIZE, CONV_GROUP_SIZE, SELECTOR_RANK, SELECTOR_TOP_K)
+# DSpark (Markov / confidence heads, DeepSeek-V4 backbone): read by the pinned llama.cpp, refused here
 SAMPLE_FROM_ANCHOR = _key(_A + "sample_from_anchor", BOOL, False, "sample_from_anchor (DSpark)",
                           "draft-dflash samples block position 0 too when true")
 HAS_CONFIDENCE_HEAD = _key(_A + "has_confidence_head", BOOL, False, "(DSpark)",
@@ -116,6 +120,38 @@ KEYS: tuple[KeySpec, ...] = tuple(_keys)
 KEY: dict[str, KeySpec] = {k.key: k for k in KEYS}
 
 
+# --- draft variants -------------------------------------------------------------------------------
+
+CONV, SELECTOR = "conv", "selector"  # the heads a variant adds to the DFlash 1 backbone
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A kind of DFlash-family draft: the heads it adds to the DFlash 1 backbone and the block
+    layout it drafts with. This table is the one place that knows; everything else asks
+    `DraftHParams.variant`, and the C++ runtime's `draft_variant` mirrors it (draft_model.h)."""
+
+    name: str  # as the CLI and the reports spell it (`--variant`)
+    title: str  # as prose spells it
+    architecture: str  # the HF class in a checkpoint's `architectures`
+    heads: tuple[str, ...]  # beyond the backbone: CONV, SELECTOR
+    keys: tuple[str, ...]  # GGUF keys it needs, all present and > 0 (and none of them in another variant)
+    anchor_first: bool = False  # block layout: slot 0 (the anchor) is a draft slot too (DSpark)
+
+    def has(self, head: str) -> bool:
+        return head in self.heads
+
+
+DFLASH1 = Variant("dflash", "DFlash 1", "DFlashDraftModel", (), ())
+DFLASH2 = Variant("dflash2", "DFlash 2", "DFlash2DraftModel", (CONV, SELECTOR), DFLASH2_KEYS)
+VARIANTS: dict[str, Variant] = {v.name: v for v in (DFLASH1, DFLASH2)}
+
+
+def variant_of_gguf(kv: dict[str, Any]) -> Variant:
+    """The variant GGUF metadata says (a DFlash 2 key present: DFlash 2, as the pinned loop reads it)."""
+    return DFLASH2 if any(k in kv for k in DFLASH2_KEYS) else DFLASH1
+
+
 # --- tensors ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -123,12 +159,24 @@ class TensorSpec:
     gguf: str  # GGUF name; "{bid}" is the draft layer index
     hf: str  # safetensors name in a published DFlash checkpoint (a "model." prefix is allowed)
     shape: tuple[str, ...]  # ggml order, in the symbols of `expected_shape`
-    required: bool
+    required: bool  # ... in every draft whose variant has this tensor's head
     role: str
+    head: str = ""  # the variant head it belongs to (Variant.heads); "": the DFlash 1 backbone
+    hf_aliases: tuple[str, ...] = ()  # other checkpoint spellings of `hf`
 
 
-def _layer(gguf: str, hf: str, shape: tuple[str, ...], role: str) -> TensorSpec:
-    return TensorSpec(f"blk.{{bid}}.{gguf}.weight", f"layers.{{bid}}.{hf}.weight", shape, True, role)
+def _layer(gguf: str, hf: str, shape: tuple[str, ...], role: str, head: str = "") -> TensorSpec:
+    return TensorSpec(f"blk.{{bid}}.{gguf}.weight", f"layers.{{bid}}.{hf}.weight", shape, True, role, head)
+
+
+def _conv(gguf: str, hf: str, where: str) -> tuple[TensorSpec, TensorSpec]:
+    """One DFlash 2 convolution (around attention or the MLP): its static taps (F32, no `.weight`,
+    index 0 the input side, 1 the output side) and the projection giving each position its dynamic
+    coefficients, one per group of conv_group_size channels."""
+    return (TensorSpec(f"blk.{{bid}}.{gguf}_base", f"layers.{{bid}}.{hf}.base_kernel", ("n_embd", "conv_k", "2"),
+                       True, f"static taps of the convolutions {where} [side, tap, channel]", CONV),
+            _layer(f"{gguf}_proj", f"{hf}.kernel_projection", ("n_embd", "2*conv_k*conv_groups"),
+                   f"dynamic taps of the convolutions {where}, from the sublayer's normed input", CONV))
 
 
 TENSORS: tuple[TensorSpec, ...] = (
@@ -152,6 +200,17 @@ TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("token_embd.weight", "embed_tokens.weight", ("n_embd", "n_vocab"), False,
                "own token embeddings (optional)"),
     TensorSpec("output.weight", "lm_head.weight", ("n_embd", "n_vocab"), False, "own output head (optional)"),
+    # DFlash 2
+    *_conv("attn_conv", "attention_conv", "before and after attention"),
+    *_conv("ffn_conv", "mlp_conv", "before and after the MLP"),
+    TensorSpec("selector_predecessor.weight", "candidate_selector.predecessor_codebook",
+               ("selector_rank", "n_vocab"), True, "selector codebook A: the predecessor token's row", SELECTOR,
+               ("candidate_selector.predecessor_codebook.weight",)),
+    TensorSpec("selector_successor.weight", "candidate_selector.successor_codebook",
+               ("selector_rank", "n_vocab"), True, "selector codebook B: the candidate token's row", SELECTOR,
+               ("candidate_selector.successor_codebook.weight",)),
+    TensorSpec("selector_hidden.weight", "candidate_selector.hidden_projection.weight",
+               ("n_embd", "selector_rank"), True, "selector gate W_h: the slot's post-norm hidden state", SELECTOR),
 )
 
 # A reduced draft vocabulary, as the pinned `dflash` graph reads it: `d2t` (i64 [n_draft_vocab],
@@ -187,7 +246,6 @@ def temporal_rope_sections(value: Any) -> bool:
     return isinstance(value, list) and 0 < len(value) <= 4 and all(v == 0 for v in value[1:])
 
 
-_DFLASH2 = "DFlash 2 drafts (convolutions + candidate selector) are not supported"
 _OWN = "the runtime uses the target's embeddings and head; a draft with its own is not supported by this runtime"
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(HIDDEN_ACTIVATION, "only silu FFNs are supported", allowed=("silu",)),
@@ -199,7 +257,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(VALUE_LENGTH, "value_length different from key_length is not supported", same_as=KEY_LENGTH),
     Refusal(ROPE_DIMENSION_COUNT, "partial RoPE (dimension_count != key_length) is not supported",
             same_as=KEY_LENGTH),
-    *(Refusal(k, _DFLASH2) for k in (CONV_KERNEL_SIZE, CONV_GROUP_SIZE, SELECTOR_RANK, SELECTOR_TOP_K)),
     Refusal(SAMPLE_FROM_ANCHOR, "DSpark drafts (sampling from the anchor) are not supported", allowed=(False,)),
     Refusal(HAS_CONFIDENCE_HEAD, "DSpark drafts (confidence head) are not supported"),
     Refusal(HYPER_CONNECTION_COUNT, "DSpark drafts on a DeepSeek-V4 backbone are not supported"),
@@ -209,10 +266,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("output.weight", _OWN + " (an own head needs a d2t: a reduced vocabulary)", tensor=True),
     *(Refusal(t, "DSpark drafts (Markov / confidence heads) are not supported", tensor=True)
       for t in ("markov_w1.weight", "markov_w2.weight", "markov_w2.scale", "conf_proj.weight", "conf_proj.bias")),
-    *(Refusal(t, _DFLASH2, tensor=True)
-      for t in ("selector_hidden.weight", "selector_predecessor.weight", "selector_successor.weight",
-                "blk.{bid}.attn_conv_base", "blk.{bid}.attn_conv_proj.weight", "blk.{bid}.ffn_conv_base",
-                "blk.{bid}.ffn_conv_proj.weight")),
     Refusal("fc.scale", "a scaled fc is not supported", tensor=True),
     Refusal("rope_freqs.weight", "RoPE frequency factors are not supported", tensor=True),
     *(Refusal(t, "extra per-layer tensors (Gemma-style norms, output scales, sinks) are not supported", tensor=True)
@@ -227,7 +280,8 @@ def refusals(kv: dict[str, Any], tensor_names=()) -> list[str]:
     `kv`: GGUF metadata; `tensor_names`: every tensor in the file. A tensor that is neither in
     TENSORS nor in REFUSALS is refused too (llama.cpp may read it; we would silently ignore it).
     """
-    out = []
+    out = _variant_refusals(kv)
+    variant = variant_of_gguf(kv)
     for r in REFUSALS:
         if r.tensor or r.name not in kv:
             continue
@@ -245,10 +299,30 @@ def refusals(kv: dict[str, Any], tensor_names=()) -> list[str]:
         if name == D2T:
             continue
         why = next((why for p, why in refused if p.match(name)), None)
-        if why is None and hf_tensor_name(name) is None:
-            why = "not a tensor of a DFlash 1 draft"
+        known = hf_tensor_name(name)
+        if why is None and known is None:
+            why = "not a tensor of a DFlash 1 or DFlash 2 draft"
+        elif why is None and known[1].head and not variant.has(known[1].head):
+            why = (f"a {_head_title(known[1].head)} tensor in a {variant.title} draft "
+                   f"(no {' / '.join(DFLASH2_KEYS)})")
         if why is not None:
             out.append(f"tensor '{name}': {why}")
+    return out
+
+
+def _head_title(head: str) -> str:
+    return next(v.title for v in VARIANTS.values() if v.has(head))
+
+
+def _variant_refusals(kv: dict[str, Any]) -> list[str]:
+    """A variant's keys: all of them or none, each a positive integer."""
+    variant = variant_of_gguf(kv)
+    out = [f"'{k}' missing: a {variant.title} draft needs {', '.join(variant.keys)}"
+           for k in variant.keys if k not in kv]
+    for k in variant.keys:
+        v = kv.get(k)
+        if k in kv and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 < v <= INT32_MAX):
+            out.append(f"'{k}' = {_show(v)}: expected a positive integer")
     return out
 
 
@@ -278,6 +352,9 @@ _BY_GGUF = [(_pattern(t.gguf), t) for t in TENSORS]
 _ROPE_PERMUTED = [_pattern(t) for t in ROPE_PERMUTED]
 
 
+_BY_HF += [(_pattern(alias), t) for t in TENSORS for alias in t.hf_aliases]
+
+
 def _rename(name: str, table: list, to: str) -> tuple[str, TensorSpec] | None:
     for pattern, spec in table:
         if m := pattern.match(name):
@@ -302,8 +379,9 @@ def layer_index(name: str) -> int | None:
 
 
 def expected_shape(spec: TensorSpec, dims: dict[str, int]) -> tuple[int, ...]:
-    """Shape in ggml order from `dims` with n_embd, n_taps, n_head, n_head_kv, head_dim, n_ff, n_vocab."""
-    return tuple(math.prod(dims[f] for f in sym.split("*")) for sym in spec.shape)
+    """Shape in ggml order from `dims` with n_embd, n_taps, n_head, n_head_kv, head_dim, n_ff, n_vocab
+    (and a DFlash 2 draft's conv_k, conv_groups, selector_rank); digits are literal sizes."""
+    return tuple(math.prod(int(f) if f.isdigit() else dims[f] for f in sym.split("*")) for sym in spec.shape)
 
 
 def stays_f32(gguf_name: str, n_dims: int) -> bool:
@@ -380,6 +458,11 @@ class DraftHParams:
     logit_scale: float | None = None  # output_multiplier
     logit_softcap: float | None = None  # final_logit_softcapping (> 0)
     value_scale: float | None = None  # attention_value_scale (refused)
+    # DFlash 2 (0: absent; all four or none): convolution taps and group size, selector rank and top-K
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
     # `is_causal: false` at the top level of config.json: the pinned converter writes the key early
     causal_at_top: bool = field(default=False, compare=False, repr=False)
 
@@ -392,6 +475,23 @@ class DraftHParams:
             raise ValueError(f"{self.n_head} attention heads are not a multiple of {self.n_head_kv} kv heads")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        dflash2 = (self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k)
+        if any(dflash2) and not all(v > 0 for v in dflash2):
+            raise ValueError("a DFlash 2 draft needs conv_kernel_size, conv_group_size, selector_rank and "
+                             f"selector_top_k, all positive (got {', '.join(map(str, dflash2))})")
+        if self.conv_group_size and self.n_embd % self.conv_group_size != 0:
+            raise ValueError(f"conv_group_size {self.conv_group_size} does not divide the hidden size {self.n_embd}")
+        if self.selector_top_k and self.n_vocab is not None and self.selector_top_k > self.n_vocab:
+            raise ValueError(f"selector_top_k {self.selector_top_k} is larger than the vocabulary ({self.n_vocab})")
+
+    @property
+    def variant(self) -> Variant:
+        return DFLASH2 if self.conv_kernel_size else DFLASH1
+
+    def tensor_specs(self, required_only: bool = True) -> list[TensorSpec]:
+        """The tensors of this draft's variant (the backbone's and its heads')."""
+        return [t for t in TENSORS if (t.required or not required_only)
+                and (not t.head or self.variant.has(t.head))]
 
     @property
     def n_taps(self) -> int:
@@ -408,7 +508,9 @@ class DraftHParams:
         """The symbols of `expected_shape`."""
         return {"n_embd": self.n_embd, "n_taps": self.n_taps, "n_head": self.n_head,
                 "n_head_kv": self.n_head_kv, "head_dim": self.head_dim, "n_ff": self.n_ff,
-                "n_vocab": n_vocab or self.n_vocab or 0}
+                "n_vocab": n_vocab or self.n_vocab or 0, "conv_k": self.conv_kernel_size,
+                "conv_groups": self.n_embd // self.conv_group_size if self.conv_group_size else 0,
+                "selector_rank": self.selector_rank}
 
     # --- config.json ------------------------------------------------------------------------------
 
@@ -421,7 +523,7 @@ class DraftHParams:
         `sliding_window` unless `use_sliding_window` (or `dflash_config.use_swa`: every layer).
         """
         try:
-            return cls(**_hf_fields(config))
+            return cls(**_hf_fields(normalized_hf_config(config)))
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from e
 
@@ -430,12 +532,15 @@ class DraftHParams:
         dflash: dict[str, Any] = {"mask_token_id": self.mask_token_id}
         if self.target_layer_ids is not None:
             dflash["target_layer_ids"] = list(self.target_layer_ids)
+        if self.variant is DFLASH2:
+            dflash.update(conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size,
+                          selector_rank=self.selector_rank, selector_top_k=self.selector_top_k)
         dflash.update({k: v for k, v in (("input_embedding_scale", self.embedding_scale),
                                          ("output_multiplier", self.logit_scale),
                                          ("final_logit_softcapping", self.logit_softcap),
                                          ("attention_value_scale", self.value_scale)) if v is not None})
         config: dict[str, Any] = {
-            "architectures": [DFLASH_ARCHITECTURE], "model_type": "qwen3",
+            "architectures": [self.variant.architecture], "model_type": "qwen3",
             "hidden_size": self.n_embd, "intermediate_size": self.n_ff, "num_hidden_layers": self.n_layer,
             "num_attention_heads": self.n_head, "num_key_value_heads": self.n_head_kv,
             "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.rms_eps,
@@ -488,6 +593,9 @@ class DraftHParams:
                 ("logit_softcap", FINAL_LOGIT_SOFTCAPPING), ("value_scale", VALUE_SCALE)) if key in kv}
             if not optional.get("logit_softcap", 1.0) > 0:
                 del optional["logit_softcap"]
+            optional.update({name: int(kv[key]) for name, key in (
+                ("conv_kernel_size", CONV_KERNEL_SIZE), ("conv_group_size", CONV_GROUP_SIZE),
+                ("selector_rank", SELECTOR_RANK), ("selector_top_k", SELECTOR_TOP_K)) if key in kv})
             return cls(
                 n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=int(kv.get(HEAD_COUNT_KV, n_head)),
                 head_dim=int(kv.get(KEY_LENGTH, n_embd // n_head)), n_ff=n_ff, mask_token_id=int(mask),
@@ -524,6 +632,9 @@ class DraftHParams:
         kv += [(k, v) for k, v in ((GENERAL_FILE_TYPE, file_type), (ROPE_DIMENSION_COUNT, self.n_rot),
                                    (VALUE_SCALE, self.value_scale)) if v is not None]
         kv.append((BLOCK_SIZE, self.block_size))
+        if self.variant is DFLASH2:
+            kv += [(CONV_KERNEL_SIZE, self.conv_kernel_size), (CONV_GROUP_SIZE, self.conv_group_size),
+                   (SELECTOR_RANK, self.selector_rank), (SELECTOR_TOP_K, self.selector_top_k)]
         kv += [(k, v) for k, v in ((LOGIT_SCALE, self.logit_scale), (FINAL_LOGIT_SOFTCAPPING, self.logit_softcap),
                                    (EMBEDDING_SCALE, self.embedding_scale)) if v is not None]
         kv.append((TARGET_LAYERS, target_layers_from_ids(self.target_layer_ids)))
@@ -559,6 +670,10 @@ HF_INTEGERS: dict[str, tuple[int, int]] = {
     "sliding_window": (1, INT32_MAX),  # a context length
     "max_window_layers": (0, INT32_MAX),  # only compared with layer indices
     "target_layer_ids": (-INT32_MAX - 1, INT32_MAX),  # an INT32 GGUF array; the target bounds them further
+    "conv_kernel_size": (1, 64),  # published: 2
+    "conv_group_size": (1, 65536),  # published: 16; must divide hidden_size
+    "selector_rank": (1, 65536),  # published: 256
+    "selector_top_k": (1, 1024),  # published: 16
 }
 MAX_TARGET_LAYER_IDS = 512  # one tap per target layer at most (LLAMA_MAX_LAYERS)
 # Every float of config.json: finite, lowest < value <= highest, also once rounded to float32.
@@ -613,22 +728,89 @@ def _object(name: str, v) -> dict:
     return v
 
 
-def _hf_kind(config: dict) -> dict:
-    """Refuse what is not a DFlash 1 config.json; its `dflash_config`."""
+def _hf_kind(config: dict) -> tuple[Variant, dict]:
+    """Refuse what is not a DFlash 1 or DFlash 2 config.json (z-lab's format: `normalized_hf_config`
+    reads the others); its variant and `dflash_config`."""
     archs, dflash = config.get("architectures") or [], config.get("dflash_config")
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ValueError(f"architectures = {_show(archs)}: expected a list of class names")
-    if any("DFlash2" in a for a in archs) or (isinstance(dflash, dict) and "conv_kernel_size" in dflash):
-        raise ValueError(f"DFlash 2 drafts are not supported yet (architectures {archs})")
-    if archs and DFLASH_ARCHITECTURE not in archs:
-        raise ValueError(f"unsupported architecture {archs}: expected [\"{DFLASH_ARCHITECTURE}\"]")
+    known = {v.architecture: v for v in VARIANTS.values()}
+    if archs and not any(a in known for a in archs):
+        raise ValueError(f"unsupported architecture {archs}: expected one of {sorted(known)}")
     if not isinstance(dflash, dict):
         raise ValueError("no 'dflash_config': this is not a DFlash draft checkpoint")
+    has_conv = "conv_kernel_size" in dflash or "conv_kernel_size" in config
+    variant = next((known[a] for a in archs if a in known), DFLASH2 if has_conv else DFLASH1)
+    if variant is DFLASH1 and has_conv:
+        raise ValueError(f"conv_kernel_size in a {DFLASH1.architecture} config: a DFlash 2 draft says "
+                         f"architectures [\"{DFLASH2.architecture}\"]")
     if (act := config.get("hidden_act", "silu")) != "silu":
-        raise ValueError(f"hidden_act {_show(act)} is not supported (DFlash 1 drafts use silu)")
+        raise ValueError(f"hidden_act {_show(act)} is not supported (DFlash drafts use silu)")
     if _flag("attention_bias", config.get("attention_bias")):
         raise ValueError("attention_bias = true is not supported")
-    return dflash
+    return variant, dflash
+
+
+# Qwen3Config's defaults (transformers 4.5x and 5.x): `speculators` writes its transformer_layer_config
+# as a diff against them, so a value equal to its default is not in the file
+# (tests/test_schema.py checks them against the installed transformers).
+QWEN3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "hidden_act": "silu",
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "use_sliding_window": False,
+    "sliding_window": 4096, "max_window_layers": 28, "attention_bias": False,
+}
+SPECULATORS_TYPES = {"dflash": DFLASH1, "dflash2": DFLASH2}  # speculators_model_type -> variant
+# the defaults of speculators' DFlash(2)SpeculatorConfig (speculators 0.9.0)
+_SPECULATORS_DEFAULTS: dict[str, Any] = {"block_size": 8, "sample_from_anchor": False,
+                                         "conv_kernel_size": 2, "conv_group_size": 16,
+                                         "selector_rank": 256, "selector_top_k": 16}
+
+
+def checkpoint_format(config: dict) -> str:
+    """Which format a draft's config.json is in: "speculators" (vLLM's) or "z-lab" (the published
+    DFlash format, which our trainer writes too)."""
+    return "speculators" if isinstance(config, dict) and "speculators_model_type" in config else "z-lab"
+
+
+def normalized_hf_config(config: dict) -> dict:
+    """config.json in z-lab's format: a speculators one rewritten (its transformer_layer_config with
+    Qwen3Config's defaults at the top level, the DFlash keys in `dflash_config`, its
+    `aux_hidden_state_layer_ids` (hidden-state indices) as target_layer_ids = ids - 1, its
+    `sliding_window_non_causal` as is_causal); a z-lab one as it is. ValueError for what cannot be."""
+    if checkpoint_format(config) != "speculators":
+        return config
+    kind = config["speculators_model_type"]
+    if kind not in SPECULATORS_TYPES:
+        raise ValueError(f"speculators_model_type = {_show(kind)} is not supported "
+                         f"(only {', '.join(sorted(SPECULATORS_TYPES))})")
+    variant = SPECULATORS_TYPES[kind]
+    value = lambda name: config.get(name, _SPECULATORS_DEFAULTS.get(name))  # noqa: E731
+    if _flag("sample_from_anchor", value("sample_from_anchor")):
+        raise ValueError("sample_from_anchor = true (an anchor-first block, as DSpark drafts) is not "
+                         f"supported for {variant.title} drafts")
+    layer = _object("transformer_layer_config", config.get("transformer_layer_config"))
+    out = {**QWEN3_DEFAULTS, **{k: v for k, v in layer.items() if k not in ("architectures", "is_causal")}}
+    target_hidden = config.get("target_hidden_size")
+    if target_hidden is not None and target_hidden != out["hidden_size"]:
+        raise ValueError(f"target_hidden_size {_show(target_hidden)} differs from the draft's hidden size "
+                         f"{out['hidden_size']}: not supported")
+    dflash: dict[str, Any] = {"block_size": value("block_size"), "mask_token_id": config.get("mask_token_id")}
+    aux = config.get("aux_hidden_state_layer_ids")
+    if aux is not None:
+        if not isinstance(aux, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux):
+            raise ValueError(f"aux_hidden_state_layer_ids = {_show(aux)}: expected a list of integers")
+        dflash["target_layer_ids"] = [i - 1 for i in aux]
+    if variant is DFLASH2:
+        dflash.update({k: value(k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                              "selector_top_k")})
+    non_causal = _flag("sliding_window_non_causal", config.get("sliding_window_non_causal", variant is DFLASH2))
+    if non_causal:  # full layers are never causal there
+        out["is_causal"] = False
+    out.update(architectures=[variant.architecture], dflash_config=dflash, block_size=dflash["block_size"])
+    if (draft_vocab := config.get(DRAFT_VOCAB_SIZE)) is not None and draft_vocab != out["vocab_size"]:
+        out[DRAFT_VOCAB_SIZE] = draft_vocab
+    return out
 
 
 def _hf_rope(config: dict) -> tuple[str, dict]:
@@ -647,7 +829,7 @@ def _hf_rope(config: dict) -> tuple[str, dict]:
 def _hf_fields(config: dict) -> dict[str, Any]:
     """DraftHParams fields from a DFlash 1 config.json, with Qwen3Config's defaults; every value is
     type-checked and bounded (HF_INTEGERS, HF_NUMBERS) before anything is sized by it."""
-    dflash = _hf_kind(config)
+    variant, dflash = _hf_kind(config)
 
     def value(name: str, default=None):  # dflash_config first, then the top level (the published order)
         return dflash.get(name, config.get(name, default))
@@ -692,7 +874,19 @@ def _hf_fields(config: dict) -> dict[str, Any]:
         logit_scale=optional(hf_number, "output_multiplier", value("output_multiplier")),
         logit_softcap=softcap if softcap is not None and softcap > 0 else None,
         value_scale=optional(hf_number, "attention_value_scale", dflash.get("attention_value_scale")),
-        causal_at_top=top_causal is False)
+        causal_at_top=top_causal is False, **_hf_variant_fields(variant, value))
+
+
+def _hf_variant_fields(variant: Variant, value) -> dict[str, int]:
+    """The DFlash 2 sizes (missing ones are an error, not a default: published heads differ)."""
+    if variant is not DFLASH2:
+        return {}
+    out = {}
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        if value(name) is None:
+            raise ValueError(f"a DFlash 2 config needs dflash_config.{name}")
+        out[name] = hf_integer(name, value(name))
+    return out
 
 
 def _hf_target_layer_ids(value) -> list[int] | None:
