@@ -12,6 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
+from dflash_llama import schema as L
+
 IMPLEMENTATIONS = ("reference", "runtime", "native")
 # (a, b): error of b measured against a
 PAIRS = (("reference", "runtime"), ("reference", "native"), ("runtime", "native"))
@@ -20,7 +22,15 @@ PAIRS = (("reference", "runtime"), ("reference", "native"), ("runtime", "native"
 INJECT_NAMES = ("fc_out", "inp_g_embeddings")
 INJECT_LAYER_NAMES = ("Kcur_injected", "Vcur_injected")
 BLOCK_LAYER_NAMES = ("noise_norm", "Qcur", "Kcur", "Vcur", "ffn_inp", "ffn_norm", "ffn_out", "l_out")
+# DFlash 2: a convolution's dynamic taps (`*_dyn`, not named in llama.cpp's graph), its input side (`*_in`:
+# what attention / the MLP read) and its output side (`*_out`, before the residual)
+DFLASH2_BLOCK_LAYER_NAMES = ("noise_norm", "attn_conv_dyn", "attn_conv_in", "Qcur", "Kcur", "Vcur", "attn_conv_out",
+                             "ffn_inp", "ffn_norm", "ffn_conv_dyn", "ffn_conv_in", "ffn_out", "ffn_conv_out", "l_out")
 FINAL_NAMES = ("result_norm", "result_output")
+# DFlash 2's candidate selector, per draft slot (compared apart: see `lattice`); llama.cpp packs the
+# candidates and the scores into one tensor, `dflash2_lattice`
+SELECTOR_NAMES = ("selector_unary", "selector_candidates", "selector_gate", "selector_scores", "selector_path")
+LLAMA_LATTICE = "dflash2_lattice"
 
 # which GGUF tensor each intermediate reads first (a weight fault shows there first)
 FIRST_READER = {
@@ -40,17 +50,26 @@ FIRST_READER = {
     "output_norm.weight": "result_norm",
     "token_embd.weight": "inp_noise_embd",
     "output.weight": "result_output",
+    "blk.{i}.attn_conv_proj.weight": "attn_conv_dyn-{i}",
+    "blk.{i}.attn_conv_base": "attn_conv_in-{i}",
+    "blk.{i}.ffn_conv_proj.weight": "ffn_conv_dyn-{i}",
+    "blk.{i}.ffn_conv_base": "ffn_conv_in-{i}",
+    "selector_hidden.weight": "selector_gate",
+    "selector_predecessor.weight": "selector_scores",
+    "selector_successor.weight": "selector_scores",
 }
 
 
-def graph_order(n_layers: int) -> list[str]:
-    """Every intermediate name of an n_layers draft, in the order the graphs compute them."""
+def graph_order(n_layers: int, variant: L.Variant = L.DFLASH1) -> list[str]:
+    """Every intermediate name of an n_layers draft of `variant`, in the order the graphs compute
+    them (the selector's, which are compared as a lattice, not included)."""
     names = list(INJECT_NAMES)
     for il in range(n_layers):
         names += [f"{n}-{il}" for n in INJECT_LAYER_NAMES]
     names.append("inp_noise_embd")
+    block_names = DFLASH2_BLOCK_LAYER_NAMES if variant.has(L.CONV) else BLOCK_LAYER_NAMES
     for il in range(n_layers):
-        names += [f"{n}-{il}" for n in BLOCK_LAYER_NAMES]
+        names += [f"{n}-{il}" for n in block_names]
     return names + list(FINAL_NAMES)
 
 
@@ -134,8 +153,71 @@ class GraphComparison:
                 errs[name] = max(errs.get(name, 0.0), rel_err(ta, tb))
 
 
-def drafted_tokens(trace: dict[str, np.ndarray], n_vocab: int) -> list[int]:
-    """Greedy draft of a trace: argmax of the raw head output at block positions 1.. (a positive
-    logit scale and a soft-cap keep the argmax, so raw logits suffice)."""
+def drafted_tokens(trace: dict[str, np.ndarray], n_vocab: int, top_k: int = 0) -> list[int]:
+    """Greedy draft of a trace: a DFlash 2 selector's walked path (ours, or llama.cpp's lattice
+    walked as its loop walks it; `top_k`: the draft's selector_top_k), else the argmax of the raw
+    head output at block positions 1.. (a positive logit scale and a soft-cap keep the argmax, so
+    raw logits suffice)."""
+    if "selector_path" in trace:
+        return [int(t) for t in np.asarray(trace["selector_path"]).ravel()]
+    if LLAMA_LATTICE in trace:
+        return walk_llama_lattice(trace[LLAMA_LATTICE], top_k)
     logits = np.asarray(trace["result_output"]).reshape(-1, n_vocab)
     return [int(i) for i in logits[1:].argmax(-1)]
+
+
+# --- DFlash 2: the selector's lattice ---------------------------------------------------------------
+
+Lattice = dict  # (slot, predecessor token, candidate token) -> score; slots 1.. of the block
+
+
+def lattice(trace: dict[str, np.ndarray], anchor: int, top_k: int) -> Lattice:
+    """Every score a DFlash 2 selector computed, keyed by tokens rather than by candidate order, so
+    an implementation whose top-K comes unordered (llama.cpp's ggml_top_k) lines up with ours.
+
+    From our traces: `selector_candidates` [n, K] and `selector_scores` [n, K, K] (slot 1's row 0, the
+    anchor, repeated). From llama.cpp's: `dflash2_lattice` [B, n_embd] (row 0 zeros; row p: K candidate
+    ids as floats, then K x K scores, index pred * K + cand)."""
+    if LLAMA_LATTICE in trace:
+        packed = np.asarray(trace[LLAMA_LATTICE], dtype=np.float64)
+        return _lattice_from_packed(packed[1:], anchor, top_k)
+    cands = np.asarray(trace["selector_candidates"]).astype(np.int64)
+    scores = np.asarray(trace["selector_scores"], dtype=np.float64)
+    return _lattice_from_rows(cands, scores, anchor)
+
+
+def _lattice_from_packed(rows: np.ndarray, anchor: int, k: int) -> Lattice:
+    cands = np.rint(rows[:, :k]).astype(np.int64)
+    scores = rows[:, k:k + k * k].reshape(-1, k, k)  # [slot, pred, cand]
+    return _lattice_from_rows(cands, scores, anchor)
+
+
+def _lattice_from_rows(cands: np.ndarray, scores: np.ndarray, anchor: int) -> Lattice:
+    out: Lattice = {}
+    for s in range(cands.shape[0]):
+        preds = [anchor] if s == 0 else [int(t) for t in cands[s - 1]]
+        for p, pred in enumerate(preds):
+            for c, cand in enumerate(cands[s]):
+                out[(s + 1, pred, int(cand))] = float(scores[s, p, c])
+    return out
+
+
+def compare_lattices(a: Lattice, b: Lattice) -> dict:
+    """Relative error of b's scores against a's on the entries both have, and how many entries
+    only one has (a different candidate set: a top-K that differs)."""
+    common = sorted(set(a) & set(b))
+    va = np.array([a[k] for k in common])
+    vb = np.array([b[k] for k in common])
+    return {"error": rel_err(va, vb) if common else float("inf"), "entries": len(common),
+            "only_a": len(set(a) - set(b)), "only_b": len(set(b) - set(a))}
+
+
+def walk_llama_lattice(packed: np.ndarray, k: int) -> list[int]:
+    """The greedy walk llama.cpp's draft-dflash loop does over its packed lattice (first maximum)."""
+    rows = np.asarray(packed, dtype=np.float64)[1:]
+    path, pred = [], 0
+    for row in rows:
+        scores = row[k + pred * k:k + (pred + 1) * k]
+        pred = int(np.argmax(scores))
+        path.append(int(round(row[pred])))
+    return path
