@@ -250,6 +250,70 @@ def _dflash2_tensors(cfg: TinyDraftConfig, hp: DraftHParams, rand, g) -> dict:
     return out
 
 
+# z-lab settings vLLM speculators' DFlash configs have no field for
+_NOT_IN_SPECULATORS = ("output_multiplier", "final_logit_softcapping", "input_embedding_scale",
+                       "attention_value_scale", "rope_is_neox_style", "causal", "use_swa", "swa_window_size")
+_DFLASH2_SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def speculators_draft_hf(out_dir: str | os.PathLike, draft_dir: str | os.PathLike,
+                         extra_config: dict | None = None) -> Path:
+    """A z-lab-format draft (`tiny_draft_hf`) saved again as vLLM speculators 0.9.0 saves a "dflash"
+    or "dflash2" checkpoint, the same weights under the same tensor names:
+
+    - `transformer_layer_config`: the Qwen3 settings as a diff against Qwen3Config's defaults (what
+      transformers 4.x's `to_diff_dict` writes, so a reader must fill the gaps);
+    - every speculators field at the top level: `aux_hidden_state_layer_ids` = target_layer_ids + 1
+      (hidden-state indices), `sliding_window_non_causal` for `is_causal: false`, the DFlash 2 sizes,
+      `draft_vocab_size` = the vocabulary, `sample_from_anchor` false;
+    - `extra_config` merged into the top level last.
+
+    ValueError for a z-lab setting speculators cannot say (output_multiplier, is_causal true, ...)."""
+    import shutil
+
+    from transformers import Qwen3Config
+
+    src = Path(draft_dir)
+    config = json.loads((src / "config.json").read_text())
+    dflash = config["dflash_config"]
+    unsaid = [k for k in _NOT_IN_SPECULATORS if k in config or k in dflash]
+    if unsaid or config.get("is_causal") is True:
+        raise ValueError(f"speculators' DFlash config has no field for {unsaid or ['is_causal: true']}")
+    dflash2 = "conv_kernel_size" in dflash
+    layer = {k: v for k, v in config.items()
+             if k not in ("architectures", "dflash_config", "block_size", "num_target_layers", "is_causal",
+                          "torch_dtype")}
+    defaults = Qwen3Config().to_dict()
+    layer = {k: v for k, v in Qwen3Config(**layer).to_dict().items()
+             if k == "model_type" or k not in defaults or defaults[k] != v}
+    block_size = dflash.get("block_size", config.get("block_size", 16))
+    ids = dflash.get("target_layer_ids")
+    out_config = {
+        "architectures": ["DFlash2DraftModel" if dflash2 else "DFlashSpeculator"],
+        "speculators_model_type": "dflash2" if dflash2 else "dflash",
+        "speculators_version": "0.9.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config["vocab_size"],
+        "block_size": block_size,
+        "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": None if ids is None else [i + 1 for i in ids],
+        "mask_token_id": dflash["mask_token_id"],
+        "sliding_window_non_causal": config.get("is_causal") is False,
+        "sample_from_anchor": False,
+        **({k: dflash[k] for k in _DFLASH2_SIZES} if dflash2 else {}),
+        "speculators_config": {
+            "algorithm": "dflash2" if dflash2 else "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": block_size - 1}],
+            "default_proposal_method": "greedy", "verifier": {"name_or_path": None, "architectures": []}},
+        **(extra_config or {}),
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
+    shutil.copyfile(src / "model.safetensors", out / "model.safetensors")
+    return out
+
+
 def constant_draft_hf(out_dir: str | os.PathLike, target_gguf: str | os.PathLike, token: str | int,
                       cfg: TinyDraftConfig | None = None) -> Path:
     """A DFlash draft for a GGUF target that proposes the token spelled `token` (or of that id) at

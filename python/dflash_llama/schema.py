@@ -790,6 +790,9 @@ def normalized_hf_config(config: dict) -> dict:
         raise ValueError("sample_from_anchor = true (an anchor-first block, as DSpark drafts) is not "
                          f"supported for {variant.title} drafts")
     layer = _object("transformer_layer_config", config.get("transformer_layer_config"))
+    if (model_type := layer.get("model_type", "qwen3")) != "qwen3":  # QWEN3_DEFAULTS fill its gaps
+        raise ValueError(f"transformer_layer_config.model_type = {_show(model_type)} is not supported "
+                         "(only qwen3, the class speculators' DFlash drafts are built with)")
     out = {**QWEN3_DEFAULTS, **{k: v for k, v in layer.items() if k not in ("architectures", "is_causal")}}
     target_hidden = config.get("target_hidden_size")
     if target_hidden is not None and target_hidden != out["hidden_size"]:
@@ -797,10 +800,12 @@ def normalized_hf_config(config: dict) -> dict:
                          f"{out['hidden_size']}: not supported")
     dflash: dict[str, Any] = {"block_size": value("block_size"), "mask_token_id": config.get("mask_token_id")}
     aux = config.get("aux_hidden_state_layer_ids")
-    if aux is not None:
-        if not isinstance(aux, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux):
-            raise ValueError(f"aux_hidden_state_layer_ids = {_show(aux)}: expected a list of integers")
-        dflash["target_layer_ids"] = [i - 1 for i in aux]
+    if aux is None:  # speculators cannot build the draft without them: no default rule to apply
+        raise ValueError("no aux_hidden_state_layer_ids: a speculators draft lists the target hidden states "
+                         "it was trained on")
+    if not isinstance(aux, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux):
+        raise ValueError(f"aux_hidden_state_layer_ids = {_show(aux)}: expected a list of integers")
+    dflash["target_layer_ids"] = [i - 1 for i in aux]
     if variant is DFLASH2:
         dflash.update({k: value(k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
                                               "selector_top_k")})
