@@ -24,7 +24,9 @@ class ConversionError(ValueError):
 
 
 # safetensors dtype -> (bytes per element, NumPy type of its bytes): the ones a draft may have
-_DTYPES = {"F32": (4, "<f4"), "F16": (2, "<f2"), "BF16": (2, "<u2"), "I64": (8, "<i8")}  # I64: a d2t
+_DTYPES = {"F32": (4, "<f4"), "F16": (2, "<f2"), "BF16": (2, "<u2"), "I64": (8, "<i8"), "BOOL": (1, "|u1")}
+# the vocabulary maps of a reduced vocabulary, and their one dtype each
+INDEX_DTYPES = {"d2t": "I64", "t2d": "BOOL"}
 # every other dtype the safetensors library knows (refused as unsupported, not as corrupt)
 _OTHER_DTYPES = {"BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "I32", "U32", "F64",
                  "I64", "U64", "C64", "F4", "F6_E2M3", "F6_E3M2"}
@@ -36,24 +38,24 @@ MAX_JSON_DEPTH = 64  # published configs nest 3 deep, safetensors headers 2; ser
 @dataclass(frozen=True)
 class SourceTensor:
     name: str
-    dtype: str  # "F32", "F16" or "BF16" ("I64" for a d2t only)
+    dtype: str  # "F32", "F16" or "BF16" (INDEX_DTYPES: "I64" for a d2t, "BOOL" for a t2d)
     shape: tuple[int, ...]  # PyTorch order
     path: Path
     start: int  # absolute byte offset in `path`
     nbytes: int
 
     def load_ints(self) -> np.ndarray:
-        """An I64 tensor's values (int64)."""
+        """An I64 or BOOL tensor's values (int64)."""
         with open(self.path, "rb") as f:
             f.seek(self.start)
             raw = f.read(self.nbytes)
         if len(raw) != self.nbytes:
             raise ConversionError(f"{self.path}: truncated while reading tensor {self.name!r}")
-        return np.frombuffer(raw, dtype="<i8").astype(np.int64).reshape(self.shape)
+        return np.frombuffer(raw, dtype=_DTYPES[self.dtype][1]).astype(np.int64).reshape(self.shape)
 
     def load_f32(self) -> np.ndarray:
         """The values as float32 (exact: every float source dtype widens losslessly)."""
-        if self.dtype == "I64":
+        if self.dtype in INDEX_DTYPES.values():
             raise ConversionError(f"{self.path}: tensor {self.name!r} holds integers, not weights")
         with open(self.path, "rb") as f:
             f.seek(self.start)
@@ -198,10 +200,11 @@ def _tensor_entry(path: Path, name: str, entry: Any, data_start: int) -> SourceT
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in _DTYPES.keys() | _OTHER_DTYPES:
         raise corrupt(f"dtype {str(dtype)[:20]!r} is not a safetensors dtype")
-    if dtype not in _DTYPES or (dtype == "I64") != (name.removeprefix("model.") == "d2t"):
-        raise ConversionError(
-            f"{path}: tensor {name!r} has dtype {dtype}; only F32, F16 and BF16 drafts are supported"
-            + (" (and an I64 d2t)" if dtype == "I64" or name.removeprefix("model.") == "d2t" else ""))
+    index = INDEX_DTYPES.get(name.removeprefix("model."))
+    if dtype not in _DTYPES or dtype != (index or dtype) or (index is None and dtype in INDEX_DTYPES.values()):
+        maps = " (and an I64 d2t, a BOOL t2d)" if index or dtype in INDEX_DTYPES.values() else ""
+        raise ConversionError(f"{path}: tensor {name!r} has dtype {dtype}; only F32, F16 and BF16 drafts are "
+                              f"supported{maps}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                               for d in shape):
         raise corrupt("shape must be a list of non-negative integers")

@@ -51,7 +51,20 @@ class Plan:
     config: DraftHParams  # target_layer_ids resolved
     target: TargetInfo
     tensors: list[tuple[str, SourceTensor]]  # (GGUF name, source), in writing order
-    vocabulary: np.ndarray | None = None  # a reduced vocabulary: the target ids the head keeps
+    vocabulary: np.ndarray | None = None  # a reduced vocabulary: the target ids the head keeps, ascending
+    own_head: OwnHead | None = None  # ... its rows from the checkpoint (else from the target's head)
+
+
+@dataclass(frozen=True)
+class OwnHead:
+    """A reduced vocabulary's head saved in the checkpoint (`lm_head.weight` [K, n_embd] beside its
+    `d2t`, as speculators saves one): row `rows[i]` stands for the i-th of the ascending ids."""
+
+    source: SourceTensor
+    rows: np.ndarray
+
+    def load_f32(self) -> np.ndarray:
+        return np.ascontiguousarray(self.source.load_f32()[self.rows])
 
 
 def convert(draft_dir: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike,
@@ -97,16 +110,19 @@ def convert(draft_dir: str | os.PathLike, target: str | os.PathLike, out: str | 
 
 def make_plan(draft_dir: Path, target: str | os.PathLike) -> Plan:
     where = str(draft_dir / "config.json")
+    raw = read_config(draft_dir)
     try:
-        config = L.normalized_hf_config(read_config(draft_dir))  # speculators' format, read as z-lab's
-        cfg = DraftHParams.from_hf_config(config, where)
+        cfg = DraftHParams.from_hf_config(raw, where)
     except ValueError as e:
         raise ConversionError(str(e)) from e
+    config = L.normalized_hf_config(raw)  # speculators' format, read as z-lab's
     if (draft_dir / "mask_embedding.pt").exists():
         raise ConversionError(f"{draft_dir}: drafts with their own mask_embedding.pt are not supported yet")
     tensors = read_tensors(draft_dir)
+    if L.checkpoint_format(raw) == "speculators":
+        _drop_verifier_copies(tensors)
     tgt = read_target(target)
-    vocabulary = _checkpoint_vocabulary(draft_dir, config, tensors, tgt)
+    vocabulary, own_head = _checkpoint_vocabulary(draft_dir, config, tensors, tgt, cfg.n_embd)
 
     if cfg.n_embd != tgt.hidden:
         raise ConversionError(f"{where}: hidden size mismatch: the draft has hidden_size {cfg.n_embd}, "
@@ -129,26 +145,69 @@ def make_plan(draft_dir: Path, target: str | os.PathLike) -> Plan:
         raise ConversionError(f"{where}: target layer id {bad[0]} is out of range: the target {tgt.path} has "
                               f"{tgt.n_layer} layers (valid ids 0..{tgt.n_layer - 1})")
 
+    if cfg.target_layer_ids is None:
+        log.warning("no target_layer_ids in %s: the published default rule chose target layers %s (written as "
+                    "%s %s); z-lab, SGLang and lmdeploy now require the key, since only the training knows "
+                    "the layers: add dflash_config.target_layer_ids to be sure", where, ids, L.TARGET_LAYERS,
+                    L.target_layers_from_ids(ids))
+    lattice = cfg.selector_top_k * (cfg.selector_top_k + 1)
+    if cfg.n_embd < lattice:
+        log.warning("selector_top_k %d needs hidden_size >= %d in the pinned llama.cpp, which refuses this "
+                    "file (\"DFlash2 hidden size is too small for the selector lattice\")",
+                    cfg.selector_top_k, lattice)
+
     if tgt.n_layer - 1 in ids:
         log.warning("target layer id %d is the target's last layer: the pinned llama.cpp captures the "
                     "input of layer id + 1, which does not exist, and its draft-dflash aborts on this "
                     "file (\"layer input tensor is null\")", tgt.n_layer - 1)
 
     cfg = dataclasses.replace(cfg, target_layer_ids=list(ids))
-    return Plan(draft_dir, cfg, tgt, _map_tensors(cfg, tensors, cfg.dims(tgt.vocab), draft_dir), vocabulary)
+    return Plan(draft_dir, cfg, tgt, _map_tensors(cfg, tensors, cfg.dims(tgt.vocab), draft_dir), vocabulary,
+                own_head)
 
 
-def _checkpoint_vocabulary(draft_dir: Path, config: dict, tensors: dict[str, SourceTensor],
-                           tgt: TargetInfo) -> np.ndarray | None:
-    """A checkpoint's own reduced vocabulary (taken out of `tensors`): its `d2t` as EAGLE-3 and DSpark
-    store it, offsets (target id = i + d2t[i]), and `draft_vocab_size`; absolute target ids, checked."""
-    src = tensors.pop(L.D2T, None) or tensors.pop("model." + L.D2T, None)
+# speculators' copies of what the verifier owns (frozen, reloaded from the verifier; which of them a
+# checkpoint holds depends on the speculators version): the draft borrows the target's own
+_VERIFIER_COPIES = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+
+
+def _drop_verifier_copies(tensors: dict[str, SourceTensor]) -> None:
+    """Take a speculators checkpoint's verifier copies out of `tensors`, and its `lm_head.weight` unless
+    a `d2t` makes that the head of a reduced vocabulary (speculators saves it then, and only then: the
+    full-vocabulary one "is the exact frozen verifier projection")."""
+    reduced = _named(tensors, L.D2T) is not None
+    for name in list(tensors):
+        base = name.removeprefix("model.")
+        if base in _VERIFIER_COPIES or (base == "lm_head.weight" and not reduced):
+            del tensors[name]
+
+
+def _named(tensors: dict[str, SourceTensor], name: str) -> str | None:
+    """The key of the checkpoint tensor `name` (spelled with or without a `model.` prefix), if any."""
+    return next((n for n in (name, "model." + name) if n in tensors), None)
+
+
+def _pop(tensors: dict[str, SourceTensor], name: str) -> SourceTensor | None:
+    key = _named(tensors, name)
+    return None if key is None else tensors.pop(key)
+
+
+def _checkpoint_vocabulary(draft_dir: Path, config: dict, tensors: dict[str, SourceTensor], tgt: TargetInfo,
+                           n_embd: int) -> tuple[np.ndarray | None, OwnHead | None]:
+    """A checkpoint's own reduced vocabulary (taken out of `tensors`): its `d2t` as EAGLE-3, DSpark and
+    speculators store it, offsets (target id = i + d2t[i]), and `draft_vocab_size`; the ids, absolute,
+    ascending and checked, and its own head if it saved one (`lm_head.weight`). A `t2d` (speculators:
+    the same map as a mask over the target's vocabulary) is checked against the `d2t`, then dropped,
+    as the pinned converter drops it."""
+    src, t2d = _pop(tensors, L.D2T), _pop(tensors, "t2d")
     size = config.get(L.DRAFT_VOCAB_SIZE)
     if src is None:
         if size not in (None, tgt.vocab) and not isinstance(size, bool):
             raise ConversionError(f"{draft_dir}: config.json has {L.DRAFT_VOCAB_SIZE} = {size!r} but the checkpoint "
                                   f"has no d2t tensor mapping its rows to the target's vocabulary")
-        return None
+        if t2d is not None:
+            raise ConversionError(f"{draft_dir}: tensor 't2d' without a 'd2t': a reduced vocabulary needs both")
+        return None, None
     if len(src.shape) != 1 or (size is not None and size != src.shape[0]):
         raise ConversionError(f"{draft_dir}: tensor 'd2t' has shape {list(src.shape)}, expected "
                               f"[{size if size is not None else 'draft_vocab_size'}]")
@@ -156,12 +215,21 @@ def _checkpoint_vocabulary(draft_dir: Path, config: dict, tensors: dict[str, Sou
     if ids.size == 0 or ids.min() < 0 or ids.max() >= tgt.vocab or np.unique(ids).size != ids.size:
         raise ConversionError(f"{draft_dir}: tensor 'd2t' must map its {ids.size} rows to distinct token ids of the "
                               f"target's vocabulary of {tgt.vocab} (as offsets: id = row + d2t[row])")
-    return np.sort(ids)
+    if t2d is not None and (t2d.shape != (tgt.vocab,) or not np.array_equal(np.flatnonzero(t2d.load_ints()),
+                                                                             np.sort(ids))):
+        raise ConversionError(f"{draft_dir}: tensor 't2d' (shape {list(t2d.shape)}) must mark exactly the "
+                              f"{ids.size} tokens of the 'd2t' among the target's {tgt.vocab}")
+    head = _pop(tensors, "lm_head.weight")
+    if head is not None and head.shape != (ids.size, n_embd):
+        raise ConversionError(f"{draft_dir}: tensor 'lm_head.weight' has shape {list(head.shape)}, expected "
+                              f"[{ids.size}, {n_embd}] (the head of the reduced vocabulary its 'd2t' maps)")
+    order = np.argsort(ids)
+    return ids[order], None if head is None else OwnHead(head, order)
 
 
 def _map_tensors(cfg: DraftHParams, tensors: dict[str, SourceTensor], dims: dict[str, int],
                  draft_dir: Path) -> list[tuple[str, SourceTensor]]:
-    mapped = []
+    mapped, source_of = [], {}
     for hf_name, src in tensors.items():
         hit = L.gguf_tensor_name(hf_name) if len(hf_name) <= MAX_TENSOR_NAME else None
         if hit is None:
@@ -169,14 +237,20 @@ def _map_tensors(cfg: DraftHParams, tensors: dict[str, SourceTensor], dims: dict
                                   f"{cfg.variant.title} draft")
         name, spec = hit
         if spec.head and not cfg.variant.has(spec.head):
-            raise ConversionError(f"{draft_dir}: tensor {hf_name!r} belongs to a DFlash 2 draft, but config.json "
+            title = next(v.title for v in L.VARIANTS.values() if v.has(spec.head))
+            raise ConversionError(f"{draft_dir}: tensor {hf_name!r} belongs to a {title} draft, but config.json "
                                   f"describes a {cfg.variant.title} draft (architectures, dflash_config)")
+        if name in source_of:  # e.g. a codebook spelled with and without `.weight`
+            raise ConversionError(f"{draft_dir}: tensors {source_of[name]!r} and {hf_name!r} are one tensor ({name}): "
+                                  "keep one")
+        source_of[name] = hf_name
         layer = L.layer_index(name)
         if layer is not None and layer >= cfg.n_layer:
             raise ConversionError(f"{draft_dir}: tensor {hf_name!r} is beyond num_hidden_layers = {cfg.n_layer}")
         want = tuple(reversed(L.expected_shape(spec, dims)))  # PyTorch order
         if src.shape != want:
-            hint = (" (fc input must be len(target_layer_ids) * hidden_size)" if name == "fc.weight" else "")
+            hint = (" (fc input must be len(target_layer_ids) * hidden_size)" if name == "fc.weight" else
+                    " (one row per token of the target's vocabulary)" if "n_vocab" in spec.shape else "")
             raise ConversionError(f"{draft_dir}: tensor {hf_name!r} has shape {list(src.shape)}, "
                                   f"config.json implies {list(want)}{hint}")
         mapped.append((name, src))
@@ -240,7 +314,7 @@ def write_gguf(plan: Plan, path: Path, outtype: str) -> None:
         data, stored_as = tensor_data(name, src, plan.config, qtype)
         writer.add_tensor(name, data, raw_dtype=stored_as)
     if plan.vocabulary is not None:  # after the layers, as the pinned converter writes d2t
-        rows = head_rows(plan.target, plan.vocabulary)
+        rows = plan.own_head.load_f32() if plan.own_head else head_rows(plan.target, plan.vocabulary)
         try:
             writer.add_tensor("output.weight", gguf.quants.quantize(rows, qtype), raw_dtype=qtype)
         except gguf.QuantError:

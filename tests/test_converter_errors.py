@@ -55,15 +55,16 @@ def test_mask_token_id_outside_the_vocabulary(draft, tiny_target_hf, tmp_path):
           r"\(49152 tokens\)")
 
 
-def test_dflash2_is_not_supported_yet(draft, tiny_target_hf, tmp_path):
-    edit_config(draft, architectures=["DFlash2DraftModel"])
-    fails(draft, tiny_target_hf, tmp_path, r"config\.json: DFlash 2 drafts are not supported yet")
+def test_dflash2_architecture_without_its_sizes(draft, tiny_target_hf, tmp_path):
+    edit_config(draft, architectures=["DFlash2DraftModel"])  # DFlash 2 converts (test_converter_dflash2)
+    fails(draft, tiny_target_hf, tmp_path, r"config\.json: a DFlash 2 config needs dflash_config\.conv_kernel_size$")
 
 
 def test_foreign_architecture(draft, tiny_target_hf, tmp_path):
     edit_config(draft, architectures=["Qwen3ForCausalLM"])
     fails(draft, tiny_target_hf, tmp_path,
-          r"unsupported architecture \['Qwen3ForCausalLM'\]: expected \[\"DFlashDraftModel\"\]")
+          r"unsupported architecture \['Qwen3ForCausalLM'\]: expected one of \['DFlash2DraftModel', "
+          r"'DFlashDraftModel'\]$")
 
 
 def test_hidden_size_mismatch(tiny_target_hf, tmp_path):
@@ -236,7 +237,7 @@ def test_cli_prints_one_error_line_and_exits_2(draft, tiny_target_hf, tmp_path, 
     err = capsys.readouterr().err
     assert rc == 2
     assert err.startswith("dflash-llama convert: error: ")
-    assert "config.json: DFlash 2 drafts are not supported yet" in err
+    assert "config.json: a DFlash 2 config needs dflash_config.conv_kernel_size" in err
     assert err.count("\n") == 1
     assert not out.exists()
 
