@@ -238,6 +238,38 @@ ggml_tensor * draft_runner::attention_mask(graph_ctx & g, int32_t n_kv, int32_t 
     return g.add_input(t, g.owned.back().data());
 }
 
+// One side of a grouped dynamic causal convolution over the block (y: [n_embd, B], position 0 the
+// anchor), as the published model and llama.cpp's graph compute it:
+//   out[i, c] = sum_t (base[side, t, c] + dynamic[i, side, t, c / group]) * y[i - t, c]
+// with y = 0 before the block start: the coefficient comes from the output position i, the static
+// and dynamic taps are summed first, the taps added in order; taps at or past B read only padding.
+// dynamic: [2 * K * groups, B] (side, tap, group; the group fastest); base: [n_embd, K, 2].
+ggml_tensor * draft_runner::conv(ggml_context * ctx, ggml_tensor * y, ggml_tensor * dynamic, ggml_tensor * base,
+                                 int side) const {
+    const draft_hparams & hp = draft_.hparams;
+    const int64_t n_embd = hp.n_embd, group = hp.conv_group_size, groups = hp.conv_groups();
+    const int64_t k = hp.conv_kernel_size, n = y->ne[1];
+    // the side's dynamic taps [groups, K, B], one per channel of its group: [group, groups, K, B]
+    ggml_tensor * dyn = ggml_view_3d(ctx, dynamic, groups, k, n, groups * sizeof(float), dynamic->nb[1],
+                                     side * k * groups * sizeof(float));
+    dyn = ggml_repeat_4d(ctx, ggml_reshape_4d(ctx, ggml_cont(ctx, dyn), 1, groups, k, n), group, groups, k, n);
+    // plus the side's static taps [group, groups, K, 1]
+    ggml_tensor * taps = ggml_reshape_4d(ctx, ggml_view_2d(ctx, base, n_embd, k, base->nb[1], side * base->nb[2]),
+                                         group, groups, k, 1);
+    ggml_tensor * weights = ggml_add(ctx, dyn, taps);  // [group, groups, K, B]
+
+    ggml_tensor * out = nullptr;
+    for (int64_t t = 0; t < std::min(k, n); ++t) {
+        ggml_tensor * w = ggml_cont_2d(ctx, ggml_view_2d(ctx, weights, n_embd, n, weights->nb[3], t * weights->nb[2]),
+                                       n_embd, n);
+        ggml_tensor * shifted = t == 0 ? y : ggml_pad_ext(ctx, ggml_view_2d(ctx, y, n_embd, n - t, y->nb[1], 0),
+                                                          0, 0, (int) t, 0, 0, 0, 0, 0);
+        ggml_tensor * term = ggml_mul(ctx, w, shifted);
+        out = out ? ggml_add(ctx, out, term) : term;
+    }
+    return out;
+}
+
 void draft_runner::compute(graph_ctx & g, draft_trace * trace) {
     ggml_backend_sched_reset(sched_);
     if (!ggml_backend_sched_alloc_graph(sched_, g.gf)) {
@@ -318,7 +350,7 @@ void draft_runner::inject(const float * features, int32_t n, int32_t pos0, draft
     n_cached_ = pos0 + n;
 }
 
-void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_t start, std::vector<float> & logits,
+void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_t start, block_output & result,
                                  draft_trace * trace, int32_t n_logits) {
     const draft_hparams & hp = draft_.hparams;
     if (start != n_cached_) {
@@ -376,6 +408,11 @@ void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_
     for (int32_t il = 0; il < hp.n_layer; ++il) {
         const draft_layer & l = draft_.layers[il];
         ggml_tensor * h = g.name(rms_norm(g.ctx, x, l.attn_norm), "noise_norm", il);
+        ggml_tensor * attn_dyn = nullptr;  // DFlash 2: the convolution around attention (q, k, v read its input side)
+        if (l.attn_conv_proj != nullptr) {
+            attn_dyn = g.name(ggml_mul_mat(g.ctx, l.attn_conv_proj, h), "attn_conv_dyn", il);
+            h = g.name(conv(g.ctx, h, attn_dyn, l.attn_conv_base, 0), "attn_conv_in", il);
+        }
 
         ggml_tensor * q = ggml_reshape_3d(g.ctx, ggml_mul_mat(g.ctx, l.wq, h), hp.head_dim, hp.n_head,    n_block);
         ggml_tensor * k = ggml_reshape_3d(g.ctx, ggml_mul_mat(g.ctx, l.wk, h), hp.head_dim, hp.n_head_kv, n_block);
@@ -399,12 +436,23 @@ void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_
         ggml_tensor * kqv = ggml_mul_mat(g.ctx, vp, kq);                             // [hd, B, n_head]
         ggml_tensor * attn = ggml_cont_2d(g.ctx, ggml_permute(g.ctx, kqv, 0, 2, 1, 3), (int64_t) hp.head_dim * hp.n_head, n_block);
         attn = ggml_mul_mat(g.ctx, l.wo, attn);
+        if (attn_dyn != nullptr) {
+            attn = g.name(conv(g.ctx, attn, attn_dyn, l.attn_conv_base, 1), "attn_conv_out", il);
+        }
 
         ggml_tensor * ffn_inp = g.name(ggml_add(g.ctx, attn, x), "ffn_inp", il);
         ggml_tensor * f = g.name(rms_norm(g.ctx, ffn_inp, l.ffn_norm), "ffn_norm", il);
+        ggml_tensor * ffn_dyn = nullptr;  // DFlash 2: the convolution around the MLP
+        if (l.ffn_conv_proj != nullptr) {
+            ffn_dyn = g.name(ggml_mul_mat(g.ctx, l.ffn_conv_proj, f), "ffn_conv_dyn", il);
+            f = g.name(conv(g.ctx, f, ffn_dyn, l.ffn_conv_base, 0), "ffn_conv_in", il);
+        }
         ggml_tensor * gate = ggml_silu(g.ctx, ggml_mul_mat(g.ctx, l.ffn_gate, f));
         ggml_tensor * up   = ggml_mul_mat(g.ctx, l.ffn_up, f);
         ggml_tensor * ffn_out = g.name(ggml_mul_mat(g.ctx, l.ffn_down, ggml_mul(g.ctx, gate, up)), "ffn_out", il);
+        if (ffn_dyn != nullptr) {
+            ffn_out = g.name(conv(g.ctx, ffn_out, ffn_dyn, l.ffn_conv_base, 1), "ffn_conv_out", il);
+        }
         x = g.name(ggml_add(g.ctx, ffn_out, ffn_inp), "l_out", il);
     }
 
@@ -424,13 +472,23 @@ void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_
     }
     ggml_set_output(out);
     ggml_build_forward_expand(g.gf, out);
+    ggml_tensor * gate = nullptr;  // DFlash 2: the selector's gate of the drafted slots
+    if (draft_.selector_hidden != nullptr) {
+        gate = g.name(ggml_mul_mat(g.ctx, draft_.selector_hidden, y_pred), "selector_gate");
+        ggml_set_output(gate);
+        ggml_build_forward_expand(g.gf, gate);
+    }
     for (ggml_tensor * t : g.named) {
         ggml_build_forward_expand(g.gf, t);
     }
 
     compute(g, trace);
-    logits.resize((size_t) n_logits * n_head_rows_);
-    ggml_backend_tensor_get(out, logits.data(), 0, logits.size() * sizeof(float));
+    result.logits.resize((size_t) n_logits * n_head_rows_);
+    ggml_backend_tensor_get(out, result.logits.data(), 0, result.logits.size() * sizeof(float));
+    result.gate.resize(gate != nullptr ? (size_t) ggml_nelements(gate) : 0);
+    if (gate != nullptr) {
+        ggml_backend_tensor_get(gate, result.gate.data(), 0, ggml_nbytes(gate));
+    }
     if (trace != nullptr && draft_.reduced_vocab()) {
         scatter_to_vocab((*trace)["result_output"]);
     }

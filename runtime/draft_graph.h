@@ -1,4 +1,4 @@
-// The DFlash 1 draft as our own ggml graphs, in two passes over one draft KV cache:
+// The DFlash draft as our own ggml graphs, in two passes over one draft KV cache:
 //
 //   inject(features, pos0, n):  c = hidden_norm(fc(features)); per layer K = rope(k_norm(Wk c)),
 //                               V = Wv c, written into the cache at positions pos0..pos0+n-1
@@ -6,6 +6,12 @@
 //                               queries attending to cache[0, start) and to the whole block,
 //                               final norm, logits for block positions 1..B-1 (or fewer) through the
 //                               target's output head
+//
+// A DFlash 2 draft wraps attention and the MLP of every block layer in grouped dynamic causal
+// convolutions (conv(): the input side on the sublayer's normed input, the output side on its
+// output, with the same dynamic taps; never across the block start, never on the injected context),
+// and its block forward also returns the selector's gate, selector_hidden @ result_norm, of the
+// drafted slots (selector.h chooses the tokens).
 //
 // Traced `result_output` is the raw head output of all block positions, as in llama.cpp's graph;
 // the logits returned for positions 1.. have dflash.logit_scale and the soft-cap applied.
@@ -42,6 +48,13 @@ struct traced_tensor {
 };
 using draft_trace = std::map<std::string, traced_tensor>;
 
+// What a block forward returns for its drafted slots 1..n: logits [n, n_head_rows()] (logit_scale and
+// the soft-cap applied) and, for a DFlash 2 draft, the selector's gate [n, selector_rank] (else empty).
+struct block_output {
+    std::vector<float> logits;
+    std::vector<float> gate;
+};
+
 // The device the draft runs on beside `target`: the GPU holding the target's output head, or
 // nullptr (the CPU). The draft's weights belong in a buffer of that device.
 ggml_backend_dev_t draft_device(const llama_model * target);
@@ -62,9 +75,9 @@ public:
     void inject(const float * features, int32_t n, int32_t pos0, draft_trace * trace = nullptr);
 
     // Runs the block (n_block tokens at positions start..start+n_block-1; start == n_cached()) and
-    // writes logits for block positions 1..n_logits into `logits` ([n_logits, n_head_rows()]
-    // row-major); n_logits -1: all, n_block - 1.
-    void forward_block(const int32_t * tokens, int32_t n_block, int32_t start, std::vector<float> & logits,
+    // writes the outputs of block positions 1..n_logits into `out` (row-major); n_logits -1: all,
+    // n_block - 1.
+    void forward_block(const int32_t * tokens, int32_t n_block, int32_t start, block_output & out,
                        draft_trace * trace = nullptr, int32_t n_logits = -1);
 
     // Forgets cached context at positions >= n.
@@ -76,6 +89,7 @@ public:
     int32_t token_of_row(int32_t r) const { return draft_.reduced_vocab() ? draft_.d2t_ids[r] : r; }
     bool    compact_head() const { return head_ != output_; }
     const draft_hparams & hparams() const { return draft_.hparams; }
+    const draft_model &   model() const { return draft_; }
 
 private:
     struct graph_ctx;
@@ -83,6 +97,7 @@ private:
     ggml_tensor * rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * gain) const;
     ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const;
     ggml_tensor * attention_mask(graph_ctx & g, int32_t n_kv, int32_t n_block, bool causal, int32_t window);
+    ggml_tensor * conv(ggml_context * ctx, ggml_tensor * y, ggml_tensor * dynamic, ggml_tensor * base, int side) const;
     void store_kv(graph_ctx & g, int32_t il, ggml_tensor * k, ggml_tensor * v, int32_t pos0, int32_t n);
     void copy_to_host();
     void scatter_to_vocab(traced_tensor & t) const;

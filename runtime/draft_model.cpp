@@ -2,9 +2,11 @@
 
 #include "gguf_info.h"
 
+#include "ggml-alloc.h"
 #include "gguf.h"
 #include "llama.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -12,6 +14,15 @@
 #include <string>
 
 namespace dflash {
+
+const draft_variant DFLASH1 = { "dflash", "DFlash 1", {}, {} };
+const draft_variant DFLASH2 = { "dflash2", "DFlash 2", { draft_head::conv, draft_head::selector },
+                                { "dflash.conv_kernel_size", "dflash.conv_group_size", "dflash.selector_rank",
+                                  "dflash.selector_top_k" } };
+
+bool draft_variant::has(draft_head head) const {
+    return head == draft_head::backbone || std::find(heads.begin(), heads.end(), head) != heads.end();
+}
 
 namespace {
 
@@ -26,12 +37,6 @@ constexpr int64_t MAX_LAYERS = 512, MAX_EMBD = 65536, MAX_HEADS = 1024, MAX_HEAD
 // The refusal list of dflash_llama/schema.py (REFUSALS): keys the pinned llama.cpp reads and this
 // runtime does not implement. tests/test_schema.py holds the two lists to the same entries.
 void refuse_unsupported(const gguf_keys & kv, const std::string & path) {
-    for (const char * key : { "dflash.conv_kernel_size", "dflash.conv_group_size", "dflash.selector_rank",
-                              "dflash.selector_top_k" }) {
-        if (kv.has(key)) {
-            fail(path, std::string("'") + key + "': DFlash2 drafts (convolutions + candidate selector) are not supported yet");
-        }
-    }
     for (const char * key : { "dflash.attention.value_scale", "dflash.attention.scale",
                               "dflash.has_confidence_head", "dflash.hyper_connection.count" }) {
         if (kv.has(key)) {
@@ -44,6 +49,45 @@ void refuse_unsupported(const gguf_keys & kv, const std::string & path) {
     }
     if (kv.boolean_or("dflash.sample_from_anchor", false)) {
         fail(path, "'dflash.sample_from_anchor' is true: DSpark drafts are not supported yet");
+    }
+}
+
+// The variant the keys say (a DFlash 2 key present: DFlash 2, as schema.variant_of_gguf and the
+// pinned loop read it) and its keys: all of them or none, the first missing one named as
+// schema._variant_refusals names it, each a positive integer.
+void read_variant(const gguf_keys & kv, draft_hparams & hp) {
+    bool any = false;
+    for (const char * key : DFLASH2.keys) {
+        any = any || kv.has(key);
+    }
+    if (!any) {
+        return;
+    }
+    std::string all;
+    for (const char * key : DFLASH2.keys) {
+        all += (all.empty() ? "" : ", ") + std::string(key);
+    }
+    for (const char * key : DFLASH2.keys) {
+        if (!kv.has(key)) {
+            fail(kv.path(), std::string("'") + key + "' missing: a " + DFLASH2.title + " draft needs " + all);
+        }
+    }
+    hp.conv_kernel_size = (int32_t) kv.integer("dflash.conv_kernel_size", 1, INT32_MAX);
+    hp.conv_group_size  = (int32_t) kv.integer("dflash.conv_group_size", 1, INT32_MAX);
+    hp.selector_rank    = (int32_t) kv.integer("dflash.selector_rank", 1, INT32_MAX);
+    hp.selector_top_k   = (int32_t) kv.integer("dflash.selector_top_k", 1, INT32_MAX);
+}
+
+// A DFlash 2 draft's sizes against the backbone's: whole groups of channels, at most the vocabulary's
+// tokens as candidates.
+void check_variant_sizes(const gguf_keys & kv, const draft_hparams & hp) {
+    if (hp.conv_group_size > 0 && hp.n_embd % hp.conv_group_size != 0) {
+        kv.fail("dflash.conv_group_size", std::to_string(hp.conv_group_size),
+                "a divisor of dflash.embedding_length (" + std::to_string(hp.n_embd) + ")");
+    }
+    if (hp.selector_top_k > 0 && hp.n_vocab > 0 && hp.selector_top_k > hp.n_vocab) {
+        kv.fail("dflash.selector_top_k", std::to_string(hp.selector_top_k),
+                "at most the vocabulary's " + std::to_string(hp.n_vocab) + " tokens");
     }
 }
 
@@ -128,10 +172,12 @@ draft_hparams read_hparams(const gguf_context * ctx, const std::string & path) {
     if (arch != "dflash") {
         fail(path, "general.architecture is '" + display_string(arch) + "', expected 'dflash' (a DFlash draft GGUF)");
     }
+    draft_hparams hp;
+    read_variant(kv, hp);
     refuse_unsupported(kv, path);
 
-    draft_hparams hp;
     read_sizes(kv, hp);
+    check_variant_sizes(kv, hp);
     read_scalars(kv, hp);
 
     hp.sliding_window = (int32_t) kv.integer_or("dflash.attention.sliding_window", 0, 0, INT32_MAX);
@@ -166,15 +212,60 @@ draft_hparams read_hparams(const gguf_context * ctx, const std::string & path) {
     return hp;
 }
 
-// Every tensor must be one this runtime reads: a DFlash2, DSpark or extra per-layer tensor changes
-// what llama.cpp computes, and ignoring it would be a silent wrong answer. So would a draft's own
-// token_embd, or its own output head over the whole vocabulary: llama.cpp uses them, the graph here
-// uses the target's. An own head with a d2t is a reduced vocabulary, which the graph reads.
-void refuse_unknown_tensors(const gguf_context * ctx, int32_t n_layer, const std::string & path) {
-    static const char * const layer_names[] = { "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-        "attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight", "ffn_norm.weight", "ffn_gate.weight",
-        "ffn_up.weight", "ffn_down.weight" };
+// Every tensor a draft may hold, by the variant head it belongs to (schema.TENSORS); per layer:
+// after "blk.N.".
+struct known_tensor {
+    const char * name;
+    draft_head   head;
+    bool         per_layer;
+};
+
+constexpr known_tensor kKnownTensors[] = {
+    { "fc.weight", draft_head::backbone, false }, { "enc.output_norm.weight", draft_head::backbone, false },
+    { "output_norm.weight", draft_head::backbone, false },
+    { "attn_norm.weight", draft_head::backbone, true }, { "attn_q.weight", draft_head::backbone, true },
+    { "attn_k.weight", draft_head::backbone, true }, { "attn_v.weight", draft_head::backbone, true },
+    { "attn_output.weight", draft_head::backbone, true }, { "attn_q_norm.weight", draft_head::backbone, true },
+    { "attn_k_norm.weight", draft_head::backbone, true }, { "ffn_norm.weight", draft_head::backbone, true },
+    { "ffn_gate.weight", draft_head::backbone, true }, { "ffn_up.weight", draft_head::backbone, true },
+    { "ffn_down.weight", draft_head::backbone, true },
+    { "attn_conv_base", draft_head::conv, true }, { "attn_conv_proj.weight", draft_head::conv, true },
+    { "ffn_conv_base", draft_head::conv, true }, { "ffn_conv_proj.weight", draft_head::conv, true },
+    { "selector_predecessor.weight", draft_head::selector, false },
+    { "selector_successor.weight", draft_head::selector, false },
+    { "selector_hidden.weight", draft_head::selector, false },
+};
+
+// The entry of kKnownTensors `name` is (a layer index below n_layer), or nullptr.
+const known_tensor * find_known_tensor(const std::string & name, int32_t n_layer) {
+    std::string rest = name;
+    const bool per_layer = name.rfind("blk.", 0) == 0;
+    if (per_layer) {
+        const size_t dot = name.find('.', 4);
+        const std::string index = dot == std::string::npos ? "" : name.substr(4, dot - 4);
+        const bool digits = !index.empty() && index.size() <= 4 && (index.size() == 1 || index[0] != '0') &&
+                            index.find_first_not_of("0123456789") == std::string::npos;
+        if (!digits || std::stoi(index) >= n_layer) {
+            return nullptr;
+        }
+        rest = name.substr(dot + 1);
+    }
+    for (const known_tensor & t : kKnownTensors) {
+        if (t.per_layer == per_layer && rest == t.name) {
+            return &t;
+        }
+    }
+    return nullptr;
+}
+
+// Every tensor must be one this runtime reads for the draft's variant: a DSpark or extra per-layer
+// tensor, or a DFlash 2 one in a draft without the DFlash 2 keys, changes what llama.cpp computes,
+// and ignoring it would be a silent wrong answer. So would a draft's own token_embd, or its own output
+// head over the whole vocabulary: llama.cpp uses them, the graph here uses the target's. An own head
+// with a d2t is a reduced vocabulary, which the graph reads. Messages as schema.refusals words them.
+void refuse_unknown_tensors(const gguf_context * ctx, const draft_hparams & hp, const std::string & path) {
     const bool has_d2t = gguf_find_tensor(ctx, "d2t") >= 0;
+    const draft_variant & variant = hp.variant();
     for (int64_t i = 0; i < gguf_get_n_tensors(ctx); ++i) {
         const std::string name = display_string(gguf_get_tensor_name(ctx, i), 200);
         if (name == "token_embd.weight" || (name == "output.weight" && !has_d2t)) {
@@ -182,16 +273,45 @@ void refuse_unknown_tensors(const gguf_context * ctx, int32_t n_layer, const std
                        "a draft with its own is not supported by this runtime" +
                        std::string(name == "output.weight" ? " (an own head needs a d2t: a reduced vocabulary)" : ""));
         }
-        bool known = name == "fc.weight" || name == "enc.output_norm.weight" || name == "output_norm.weight" ||
-                     name == "d2t" || name == "output.weight";
-        for (int32_t il = 0; il < n_layer && !known; ++il) {
-            for (const char * suffix : layer_names) {
-                known = known || name == "blk." + std::to_string(il) + "." + suffix;
-            }
+        if (name == "d2t" || name == "output.weight") {
+            continue;
         }
-        if (!known) {
-            fail(path, "tensor '" + name + "' is not supported by this runtime (DFlash2, DSpark or extra "
-                       "per-layer tensors)");
+        const known_tensor * known = find_known_tensor(name, hp.n_layer);
+        if (known == nullptr) {
+            fail(path, "tensor '" + name + "' is not supported by this runtime (DSpark or extra per-layer tensors)");
+        }
+        if (!variant.has(known->head)) {
+            std::string keys;
+            for (const char * key : DFLASH2.keys) {
+                keys += (keys.empty() ? "" : " / ") + std::string(key);
+            }
+            fail(path, "tensor '" + name + "': a " + DFLASH2.title + " tensor in a " + variant.title + " draft (no " +
+                       keys + ")");
+        }
+    }
+}
+
+// `tensors` (null ones skipped) in one buffer of host memory, draft.host_buf; the weights buffer
+// allocated after it leaves them there.
+void allocate_on_host(draft_model & draft, std::initializer_list<ggml_tensor *> tensors) {
+    ggml_backend_buffer_type_t host = ggml_backend_cpu_buffer_type();
+    const size_t align = ggml_backend_buft_get_alignment(host);
+    size_t size = 0;
+    for (ggml_tensor * t : tensors) {
+        size += t ? GGML_PAD(ggml_backend_buft_get_alloc_size(host, t), align) : 0;
+    }
+    if (size == 0) {
+        return;
+    }
+    draft.host_buf = ggml_backend_buft_alloc_buffer(host, size);
+    if (draft.host_buf == nullptr) {
+        fail(draft.path, "cannot allocate the selector's codebooks (" + std::to_string(size >> 20) + " MiB)");
+    }
+    ggml_backend_buffer_set_usage(draft.host_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    ggml_tallocr alloc = ggml_tallocr_new(draft.host_buf);
+    for (ggml_tensor * t : tensors) {
+        if (t != nullptr && ggml_tallocr_alloc(&alloc, t) != GGML_STATUS_SUCCESS) {
+            fail(draft.path, std::string("cannot place tensor '") + ggml_get_name(t) + "' in host memory");
         }
     }
 }
@@ -201,6 +321,9 @@ void refuse_unknown_tensors(const gguf_context * ctx, int32_t n_layer, const std
 draft_model::~draft_model() {
     if (buf) {
         ggml_backend_buffer_free(buf);
+    }
+    if (host_buf) {
+        ggml_backend_buffer_free(host_buf);
     }
     if (ctx) {
         ggml_free(ctx);
@@ -225,7 +348,7 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
     draft.hparams = read_hparams(gguf.get(), path);
     const draft_hparams & hp = draft.hparams;
 
-    auto tensor = [&](const std::string & name, std::initializer_list<int64_t> shape) {
+    auto tensor_as = [&](const std::string & name, std::initializer_list<int64_t> shape, tensor_role role) {
         ggml_tensor * t = ggml_get_tensor(meta, name.c_str());
         if (t == nullptr) {
             fail(path, "missing tensor '" + name + "'");
@@ -244,11 +367,14 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
                            ", expected " + std::to_string(shape.size()) + " dimensions");
             }
         }
-        check_tensor_type(path, name, (int) t->type, name == "d2t" ? tensor_role::index
-                                                     : shape.size() == 1 ? tensor_role::norm : tensor_role::matrix);
+        check_tensor_type(path, name, (int) t->type, role);
         return t;
     };
-    refuse_unknown_tensors(gguf.get(), hp.n_layer, path);
+    auto tensor = [&](const std::string & name, std::initializer_list<int64_t> shape) {
+        return tensor_as(name, shape, name == "d2t" ? tensor_role::index
+                                      : shape.size() == 1 ? tensor_role::norm : tensor_role::matrix);
+    };
+    refuse_unknown_tensors(gguf.get(), hp, path);
     const int64_t n_embd = hp.n_embd, q_dim = (int64_t) hp.n_head * hp.head_dim, kv_dim = (int64_t) hp.n_head_kv * hp.head_dim;
     draft.fc          = tensor("fc.weight", { hp.n_taps() * n_embd, n_embd });
     draft.hidden_norm = tensor("enc.output_norm.weight", { n_embd });
@@ -268,6 +394,22 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
         l.ffn_gate    = tensor(p + "ffn_gate.weight",    { n_embd, hp.n_ff });
         l.ffn_up      = tensor(p + "ffn_up.weight",      { n_embd, hp.n_ff });
         l.ffn_down    = tensor(p + "ffn_down.weight",    { hp.n_ff, n_embd });
+        if (hp.variant().has(draft_head::conv)) {
+            const int64_t k = hp.conv_kernel_size, n_dynamic = 2 * k * hp.conv_groups();
+            l.attn_conv_base = tensor_as(p + "attn_conv_base", { n_embd, k, 2 }, tensor_role::taps);
+            l.attn_conv_proj = tensor(p + "attn_conv_proj.weight", { n_embd, n_dynamic });
+            l.ffn_conv_base  = tensor_as(p + "ffn_conv_base", { n_embd, k, 2 }, tensor_role::taps);
+            l.ffn_conv_proj  = tensor(p + "ffn_conv_proj.weight", { n_embd, n_dynamic });
+        }
+    }
+    if (hp.variant().has(draft_head::selector)) {
+        // rows by target token: the tokenizer's count, else the file's (checked against the target's)
+        const ggml_tensor * a = ggml_get_tensor(meta, "selector_predecessor.weight");
+        const int64_t n_vocab = hp.n_vocab > 0 ? hp.n_vocab : a != nullptr ? a->ne[1] : 0;
+        const int64_t rank = hp.selector_rank;
+        draft.selector_predecessor = tensor_as("selector_predecessor.weight", { rank, n_vocab }, tensor_role::rows);
+        draft.selector_successor   = tensor_as("selector_successor.weight", { rank, n_vocab }, tensor_role::rows);
+        draft.selector_hidden      = tensor("selector_hidden.weight", { n_embd, rank });
     }
 
     if (ggml_get_tensor(meta, "d2t") != nullptr) {  // a reduced vocabulary: an own head over its rows
@@ -281,6 +423,10 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
                        std::to_string(n_draft_vocab) + " rows");
         }
         draft.output = tensor("output.weight", { n_embd, n_draft_vocab });
+        if (hp.selector_top_k > n_draft_vocab) {
+            fail(path, "dflash.selector_top_k: " + std::to_string(hp.selector_top_k) + ", expected at most the " +
+                       std::to_string(n_draft_vocab) + " rows of the reduced vocabulary (d2t)");
+        }
     }
 
     check_tensors_in_file(gguf.get(), path);  // before any buffer is sized from the header
@@ -298,7 +444,9 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
         }
     }
 
-    // read every tensor's bytes from the file into one backend buffer
+    // the selector's codebooks go to host memory (only the host reads them), the rest into one buffer
+    // of `buft`; then every tensor's bytes are read from the file
+    allocate_on_host(draft, { draft.selector_predecessor, draft.selector_successor });
     draft.buf = ggml_backend_alloc_ctx_tensors_from_buft(meta, buft);
     if (draft.buf == nullptr) {
         fail(path, "cannot allocate the draft's weights");
@@ -363,6 +511,15 @@ void check_draft_fits_target(const draft_model & draft, const llama_model * targ
     }
     if (hp.mask_token_id < 0 || hp.mask_token_id >= t_vocab) {
         fail(path, "mask token id " + std::to_string(hp.mask_token_id) + " is outside the target's vocabulary of " +
+                   std::to_string(t_vocab) + " tokens");
+    }
+    if (draft.selector_predecessor != nullptr && draft.selector_predecessor->ne[1] != t_vocab) {
+        fail(path, "the selector's codebooks have " + std::to_string(draft.selector_predecessor->ne[1]) +
+                   " rows, the target's vocabulary " + std::to_string(t_vocab) + " tokens: this draft was made for "
+                   "another target");
+    }
+    if (hp.selector_top_k > t_vocab) {
+        fail(path, "dflash.selector_top_k: " + std::to_string(hp.selector_top_k) + ", expected at most the target's " +
                    std::to_string(t_vocab) + " tokens");
     }
     std::vector<bool> seen(t_vocab, false);

@@ -1,8 +1,10 @@
-// A DFlash 1 draft read from GGUF: hyper-parameters, weights in a backend buffer, checks against
-// the target. The draft owns no token embedding: it borrows the target's (see draft_graph.h), so a
-// draft for another target is refused here with both values named. Its LM head is the target's too,
-// unless it has a reduced vocabulary: its own `output.weight` over n_draft_vocab rows, and `d2t`
-// mapping row i to target token d2t[i] (absolute ids, as the pinned `dflash` graph reads them).
+// A DFlash-family draft read from GGUF: hyper-parameters, weights in a backend buffer, checks against
+// the target. A DFlash 2 draft adds grouped dynamic convolutions to every layer and a candidate
+// selector (draft_variant). The draft owns no token embedding: it borrows the target's (see
+// draft_graph.h), so a draft for another target is refused here with both values named. Its LM head
+// is the target's too, unless it has a reduced vocabulary: its own `output.weight` over n_draft_vocab
+// rows, and `d2t` mapping row i to target token d2t[i] (absolute ids, as the pinned `dflash` graph
+// reads them).
 #pragma once
 
 #include "ggml.h"
@@ -15,6 +17,24 @@
 struct llama_model;
 
 namespace dflash {
+
+// The heads a variant adds to the DFlash 1 backbone.
+enum class draft_head { backbone, conv, selector };
+
+// A kind of DFlash-family draft, mirroring dflash_llama/schema.py (`Variant`, `DFLASH1`, `DFLASH2`):
+// the heads it adds to the DFlash 1 backbone and the GGUF keys it needs, all present and > 0. The one
+// C++ place that knows variants; everything else asks draft_hparams::variant().
+struct draft_variant {
+    const char * name;   // as the CLI and the reports spell it
+    const char * title;  // as prose spells it
+    std::vector<draft_head>   heads;
+    std::vector<const char *> keys;
+
+    bool has(draft_head head) const;
+};
+
+extern const draft_variant DFLASH1;
+extern const draft_variant DFLASH2;
 
 struct draft_hparams {
     int32_t n_embd     = 0;
@@ -36,8 +56,16 @@ struct draft_hparams {
     std::vector<bool>    swa_layers;    // per layer: sliding-window (and causal) attention
     std::vector<int32_t> target_layer_ids;  // HF ids: the GGUF stores ids + 1
     int32_t mask_token_id = -1;
+    // DFlash 2 (0: a DFlash 1 draft; all four or none): convolution taps and channels per dynamic
+    // coefficient, selector rank and candidates per drafted slot
+    int32_t conv_kernel_size = 0;  // dflash.conv_kernel_size
+    int32_t conv_group_size  = 0;  // dflash.conv_group_size, divides n_embd
+    int32_t selector_rank    = 0;  // dflash.selector_rank
+    int32_t selector_top_k   = 0;  // dflash.selector_top_k
 
     int32_t n_taps() const { return (int32_t) target_layer_ids.size(); }
+    const draft_variant & variant() const { return conv_kernel_size > 0 ? DFLASH2 : DFLASH1; }
+    int32_t conv_groups() const { return conv_group_size > 0 ? n_embd / conv_group_size : 0; }
 };
 
 struct draft_layer {
@@ -52,6 +80,12 @@ struct draft_layer {
     ggml_tensor * ffn_gate    = nullptr;
     ggml_tensor * ffn_up      = nullptr;
     ggml_tensor * ffn_down    = nullptr;
+    // DFlash 2: static taps [n_embd, K, 2] (f32; side 0 the input side, 1 the output side) and the
+    // projection to dynamic taps [n_embd, 2*K*groups], around attention and around the MLP
+    ggml_tensor * attn_conv_base = nullptr;
+    ggml_tensor * attn_conv_proj = nullptr;
+    ggml_tensor * ffn_conv_base  = nullptr;
+    ggml_tensor * ffn_conv_proj  = nullptr;
 };
 
 struct draft_model {
@@ -65,11 +99,18 @@ struct draft_model {
     ggml_tensor * output      = nullptr;  // reduced vocabulary only: [n_embd, n_draft_vocab]
     ggml_tensor * d2t         = nullptr;  // reduced vocabulary only: i64 [n_draft_vocab]
     std::vector<int32_t> d2t_ids;         // its values, on the host
+    // DFlash 2's selector: codebooks A and B [rank, n_vocab] (rows by target token, in their stored
+    // type, in host memory whatever the draft's device: only the host reads them, a few rows per
+    // drafted slot) and the gate projection [n_embd, rank] (in the graph)
+    ggml_tensor * selector_predecessor = nullptr;
+    ggml_tensor * selector_successor   = nullptr;
+    ggml_tensor * selector_hidden      = nullptr;
 
     bool reduced_vocab() const { return d2t != nullptr; }
 
-    ggml_context *        ctx = nullptr;  // tensor metadata
-    ggml_backend_buffer_t buf = nullptr;  // tensor data
+    ggml_context *        ctx = nullptr;       // tensor metadata
+    ggml_backend_buffer_t buf = nullptr;       // tensor data
+    ggml_backend_buffer_t host_buf = nullptr;  // the selector's codebooks (host memory)
 
     draft_model() = default;
     draft_model(const draft_model &) = delete;
@@ -81,8 +122,9 @@ struct draft_model {
 // Throws std::invalid_argument naming the path and what is wrong.
 void load_draft(draft_model & draft, const std::string & path, ggml_backend_buffer_type_t buft);
 
-// Refuses a draft that does not fit the target: hidden size, vocabulary, target layers within the
-// target's depth, mask token and d2t ids within the vocabulary. Throws std::invalid_argument.
+// Refuses a draft that does not fit the target: hidden size, vocabulary (the selector's codebooks'
+// too), target layers within the target's depth, mask token and d2t ids within the vocabulary.
+// Throws std::invalid_argument.
 void check_draft_fits_target(const draft_model & draft, const llama_model * target);
 
 } // namespace dflash

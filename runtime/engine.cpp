@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include "log.h"
+#include "selector.h"
 
 #include "ggml-backend.h"
 
@@ -124,11 +125,14 @@ draft_trace engine::trace_draft(const std::vector<float> & features, int32_t n_c
         }
     }
     draft_trace trace;
-    std::vector<float> logits;
+    block_output out;
     d.crop(0);
     try {
         d.inject(features.data(), n_ctx_tokens, 0, &trace);
-        d.forward_block(block.data(), (int32_t) block.size(), n_ctx_tokens, logits, &trace);
+        d.forward_block(block.data(), (int32_t) block.size(), n_ctx_tokens, out, &trace);
+        if (d.hparams().variant().has(draft_head::selector)) {  // the greedy walk over the drafted slots
+            candidate_selector(d).trace(out, block.front(), trace);
+        }
     } catch (...) {
         d.crop(0);
         throw;

@@ -51,7 +51,8 @@ public:
     std::vector<float> capture(const std::vector<int32_t> & tokens, const std::vector<int32_t> & layer_ids);
 
     // Every named draft intermediate for given context features ([n_ctx_tokens, n_taps * n_embd]) at
-    // positions 0.., and a block at the following positions. The draft cache is left empty.
+    // positions 0.., and a block at the following positions; for a DFlash 2 draft also the selector's
+    // greedy walk from block[0] (selector.h: selector_*). The draft cache is left empty.
     draft_trace trace_draft(const std::vector<float> & features, int32_t n_ctx_tokens, const std::vector<int32_t> & block);
 
 private:

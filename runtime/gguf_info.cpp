@@ -458,17 +458,19 @@ void check_tensor_type(const std::string & path, const std::string & name, int t
     const bool known = type >= 0 && type < GGML_TYPE_COUNT && ggml_type_size((ggml_type) type) > 0;
     const auto t = (ggml_type) type;
     bool ok = false;
-    if (known && role == tensor_role::norm) {
+    if (known && (role == tensor_role::norm || role == tensor_role::taps)) {
         ok = t == GGML_TYPE_F32;
     } else if (known && role == tensor_role::index) {
         ok = t == GGML_TYPE_I64;
     } else if (known) {  // Q8_1 and Q8_K are activation formats: no dot product of their own
-        ok = ggml_get_type_traits_cpu(t)->vec_dot != nullptr;
+        ok = ggml_get_type_traits_cpu(t)->vec_dot != nullptr &&
+             (role != tensor_role::rows || t == GGML_TYPE_F32 || ggml_get_type_traits(t)->to_float != nullptr);
     }
     if (!ok) {
         const std::string tname = known ? ggml_type_name(t) : "#" + std::to_string(type);
         fail(path, "tensor '" + display_string(name) + "': type " + tname + ", expected " +
                    (role == tensor_role::norm    ? std::string("f32 (a norm or 1-D weight)")
+                    : role == tensor_role::taps  ? std::string("f32 (convolution taps)")
                     : role == tensor_role::index ? std::string("i64 (token ids)")
                                                  : std::string("a float or quantised matrix type (f32, f16, bf16, q8_0, "
                                                             "q4_0, q4_1, q5_0, q5_1, q2_K..q6_K, iq*)")));

@@ -97,8 +97,9 @@ private:
 
 // What a tensor is used for decides which ggml types the CPU graph can compute with it: a matrix
 // multiplies f32 activations (a float or quantised type with a CPU dot product), a norm or other
-// 1-D weight is an operand of an f32 binary op (f32 only).
-enum class tensor_role { matrix, norm, index };  // index: i64 ids (a draft's d2t)
+// 1-D weight is an operand of an f32 binary op (f32 only), and so are convolution taps; rows are
+// read one by one on the host (a matrix type that ggml dequantises to f32).
+enum class tensor_role { matrix, norm, index, taps, rows };  // index: i64 ids (a draft's d2t)
 
 // Throws std::invalid_argument "<path>: tensor '<name>': type <t>, expected <allowed types>".
 void check_tensor_type(const std::string & path, const std::string & name, int type, tensor_role role);

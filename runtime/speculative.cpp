@@ -1,5 +1,7 @@
 #include "speculative.h"
 
+#include "selector.h"
+
 #include <algorithm>
 #include <chrono>
 #include <optional>
@@ -158,6 +160,56 @@ struct pending_features {
     }
 };
 
+// The tokens a block forward drafts for its first n slots and, sampled, the distribution each was
+// drawn from, dense over the target's vocabulary (0 elsewhere): per slot the argmax or a draw from its
+// logits (DFlash 1), or the selector's walk from the anchor (DFlash 2, over its K candidates).
+struct draft_chooser {
+    const draft_runner &              draft;
+    const int32_t                     n_vocab;
+    std::optional<candidate_selector> selector;  // DFlash 2 drafts
+    std::vector<float>                q_rows;    // a reduced-vocabulary draft's distribution over its own rows
+
+    draft_chooser(const draft_runner & d, int32_t n_vocab) : draft(d), n_vocab(n_vocab) {
+        if (d.hparams().variant().has(draft_head::selector)) {
+            selector.emplace(d);
+        }
+    }
+
+    void choose(const block_output & out, int32_t anchor, int32_t n, const sampling_params & sp, sampler & rng,
+                std::vector<int32_t> & tokens, std::vector<std::vector<float>> & q) {
+        q.resize(n);
+        if (selector) {
+            walk(out, anchor, n, sp, rng, tokens, q);
+            return;
+        }
+        const int32_t n_rows = draft.n_head_rows();  // n_vocab, or a reduced vocabulary's size
+        for (int32_t i = 0; i < n; ++i) {
+            const float * row = out.logits.data() + (size_t) i * n_rows;
+            if (sp.greedy()) {
+                tokens.push_back(draft.token_of_row(argmax(row, n_rows)));
+            } else if (n_rows == n_vocab) {
+                probs_from_logits(row, n_vocab, sp, q[i]);
+                tokens.push_back(rng.draw(q[i]));
+            } else {  // q over the target's vocabulary: 0 outside the draft's
+                probs_from_logits(row, n_rows, sp, q_rows);
+                q[i].assign(n_vocab, 0.0f);
+                for (int32_t r = 0; r < n_rows; ++r) q[i][draft.token_of_row(r)] = q_rows[r];
+                tokens.push_back(rng.draw(q[i]));
+            }
+        }
+    }
+
+    void walk(const block_output & out, int32_t anchor, int32_t n, const sampling_params & sp, sampler & rng,
+              std::vector<int32_t> & tokens, std::vector<std::vector<float>> & q) {
+        const selector_walk w = selector->walk(out, anchor, n, sp, rng);
+        tokens.insert(tokens.end(), w.path.begin(), w.path.end());
+        for (size_t i = 0; i < w.q.size(); ++i) {
+            q[i].assign(n_vocab, 0.0f);
+            for (size_t k = 0; k < w.q[i].size(); ++k) q[i][w.candidates[i][k]] = w.q[i][k];
+        }
+    }
+};
+
 // The speculative loop's state between steps.
 struct spec_loop {
     target_runner &         target;
@@ -168,9 +220,9 @@ struct spec_loop {
     sampler                 rng;
     generate_result &       res;
     pending_features        pending;
-    std::vector<float>      draft_logits;
+    draft_chooser           chooser{ draft, n_vocab };
+    block_output            block_out;  // the last block forward's outputs
     std::vector<std::vector<float>> q, p;
-    std::vector<float>      q_rows;  // a reduced-vocabulary draft's distribution over its own rows
     int32_t last = -1, start = 0;  // the newest token and its position (not yet in the target's cache)
     bool    stopped = false;
 
@@ -178,27 +230,11 @@ struct spec_loop {
     // loop's block holds only the positions it verifies (n + 1): the draft's cost falls with n, and
     // acceptance barely moves (docs/benchmarks.md); a fixed draft length drafts the whole block.
     void propose(int32_t n, std::vector<int32_t> & verify) {
-        const sampling_params & sp = params.sampling;
         const int32_t n_block = std::min(params.adaptive ? n + 1 : block_size, max_length - start);
         std::vector<int32_t> block(n_block, draft.hparams().mask_token_id);
         block[0] = last;
-        draft.forward_block(block.data(), n_block, start, draft_logits, nullptr, n);
-        const int32_t n_rows = draft.n_head_rows();  // n_vocab, or a reduced vocabulary's size
-        q.resize(n);
-        for (int32_t i = 0; i < n; ++i) {
-            const float * row = draft_logits.data() + (size_t) i * n_rows;
-            if (sp.greedy()) {
-                verify.push_back(draft.token_of_row(argmax(row, n_rows)));
-            } else if (n_rows == n_vocab) {
-                probs_from_logits(row, n_vocab, sp, q[i]);
-                verify.push_back(rng.draw(q[i]));
-            } else {  // q over the target's vocabulary: 0 outside the draft's
-                probs_from_logits(row, n_rows, sp, q_rows);
-                q[i].assign(n_vocab, 0.0f);
-                for (int32_t r = 0; r < n_rows; ++r) q[i][draft.token_of_row(r)] = q_rows[r];
-                verify.push_back(rng.draw(q[i]));
-            }
-        }
+        draft.forward_block(block.data(), n_block, start, block_out, nullptr, n);
+        chooser.choose(block_out, last, n, params.sampling, rng, verify, q);
     }
 
     // The longest prefix of `drafted` the target agrees with; its own next token in `next`.
@@ -345,10 +381,10 @@ step_costs measure_step_costs(target_runner & target, draft_runner & draft, int3
     target.decode(tokens.data(), block_size, 0, /*all_logits=*/true);  // warm-up (first touch of the weights)
     const std::vector<float> features = target.features();
     target.rollback(0);
-    std::vector<float> logits;
+    block_output out;
     auto a_draft_step = [&] {
         draft.inject(features.data(), 1, 0);
-        draft.forward_block(tokens.data(), 2, 1, logits, nullptr, 1);
+        draft.forward_block(tokens.data(), 2, 1, out, nullptr, 1);
         draft.crop(0);
     };
     for (const int32_t k : measured_sizes(block_size)) {
@@ -358,7 +394,8 @@ step_costs measure_step_costs(target_runner & target, draft_runner & draft, int3
         });
     }
     // the draft step as the loop takes it: the injection of a step's tokens (two here), then the
-    // block, over a context of kContext positions (attention over it is part of the cost)
+    // block, over a context of kContext positions (attention over it is part of the cost), then the
+    // choice of its tokens (a DFlash 2 draft's selector walk)
     constexpr int32_t kContext = 64, kInjected = 2;
     const int32_t n_context = std::max(0, std::min(kContext, target.n_ctx() - block_size - kInjected));
     const size_t row = (size_t) hp.n_taps() * hp.n_embd;
@@ -367,6 +404,10 @@ step_costs measure_step_costs(target_runner & target, draft_runner & draft, int3
         std::copy_n(features.data() + (size_t) (i % block_size) * row, row, context.data() + (size_t) i * row);
     }
     draft.inject(context.data(), n_context, 0);
+    draft_chooser chooser(draft, target.n_vocab());
+    sampler rng(0);
+    std::vector<int32_t> proposals;
+    std::vector<std::vector<float>> q;
     auto a_target_step = [&] {
         target.decode(tokens.data(), 2, 0, /*all_logits=*/true);
         target.rollback(0);
@@ -374,7 +415,9 @@ step_costs measure_step_costs(target_runner & target, draft_runner & draft, int3
     for (const int32_t n : measured_sizes(block_size - 1)) {
         costs.draft[n] = timed(a_target_step, [&] {
             draft.inject(context.data() + (size_t) n_context * row, kInjected, n_context);
-            draft.forward_block(tokens.data(), n + 1, n_context + kInjected, logits, nullptr, n);
+            draft.forward_block(tokens.data(), n + 1, n_context + kInjected, out, nullptr, n);
+            proposals.clear();
+            chooser.choose(out, tokens[0], n, sampling_params{}, rng, proposals, q);
             draft.crop(n_context);
         });
     }
