@@ -171,8 +171,31 @@ def u7_gemma3_no_layer_inputs() -> bool:
     return r.returncode != 0 and "layer input tensor is null" in r.stderr
 
 
+def u9_speculators_dflash2() -> bool:
+    """U9: the pinned converter cannot read a DFlash 2 draft in vLLM speculators' format: `DFlashModel`
+    reads the Qwen3 settings at the top level, where speculators nests them (`transformer_layer_config`).
+    Ours writes the bytes of the same weights converted from z-lab's format."""
+    from dflash_llama import fixtures
+    from dflash_llama.converter import convert
+
+    target_hf, target, hf, gguf = tiny_fixture("u9", variant="dflash2", layers=1, target_layer_ids=[1], seed=49)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = fixtures.speculators_draft_hf(Path(tmp) / hf.name, hf)  # the same name: the same general.name
+        try:
+            fixtures.run_pinned_converter([str(spec), "--target-model-dir", str(target_hf), "--outfile",
+                                           str(Path(tmp) / "pinned.gguf"), "--outtype", "f32"])
+            error = None
+        except RuntimeError as e:
+            error = str(e).strip().splitlines()[-1]
+        same = convert(spec, target, Path(tmp) / "ours.gguf", "f32").read_bytes() == gguf.read_bytes()
+    print(f"U9: speculators-format DFlash 2 draft: pinned convert_hf_to_gguf.py "
+          f"{'failed: ' + error if error else 'wrote a file'}; ours gave the z-lab conversion's bytes: {same}")
+    return error is not None
+
+
 FINDINGS = {"U1": u1_converter_default_layers, "U2": u2_last_layer_tap, "U3": u3_sliding_layers_non_causal,
-            "U4": u4_logit_scale_ignored, "U5": u5_block_length, "U7": u7_gemma3_no_layer_inputs}
+            "U4": u4_logit_scale_ignored, "U5": u5_block_length, "U7": u7_gemma3_no_layer_inputs,
+            "U9": u9_speculators_dflash2}
 
 
 def _top_p(logits: np.ndarray, k: int = 10) -> np.ndarray:

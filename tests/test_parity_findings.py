@@ -38,11 +38,19 @@ def test_u7_gemma3_target_aborts_draft_dflash(capsys):
     assert 'GGML_ASSERT(t_layer_inp[il] != nullptr && "layer input tensor is null") failed' in capsys.readouterr().out
 
 
+def test_u9_pinned_converter_cannot_read_speculators_dflash2(capsys):
+    assert findings.u9_speculators_dflash2()
+    assert capsys.readouterr().out == (
+        "U9: speculators-format DFlash 2 draft: pinned convert_hf_to_gguf.py failed: KeyError: \"could not find "
+        "any of: ['n_layers', 'num_hidden_layers', 'n_layer', 'num_layers']\"; ours gave the z-lab conversion's "
+        "bytes: True\n")
+
+
 def test_main_counts_and_refuses_unknown(capsys):
     assert findings.main(["U4", "U5"]) == 2
     assert capsys.readouterr().out.count("REPRODUCED") == 2
-    assert findings.main(["U9"]) == 255
-    assert "unknown finding(s) U9; known: U1, U2, U3, U4, U5, U7" in capsys.readouterr().err
+    assert findings.main(["U99"]) == 255
+    assert "unknown finding(s) U99; known: U1, U2, U3, U4, U5, U7, U9" in capsys.readouterr().err
 
 
 def test_u5_patch_applies_to_the_pinned_tree():
