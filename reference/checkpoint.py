@@ -1,10 +1,13 @@
-"""Load a DFlash 1 draft from a published Hugging Face directory or from a DFlash GGUF.
+"""Load a DFlash draft (DFlash 1 or DFlash 2) from a Hugging Face directory or from a DFlash GGUF.
 
 HF: `config.json` + `model.safetensors` (or sharded with `model.safetensors.index.json`), bf16,
-f16 or f32. GGUF: the layout the pinned llama.cpp reads (arch `dflash`), ours or llama.cpp's,
-any type gguf-py can dequantise. Both give the same `DFlashDraft`, in float32 by default. What the
-files mean, and what is refused, is `dflash_llama.schema`; like the runtime, the draft always uses
-the target's token embeddings and head (a draft with its own is refused).
+f16 or f32, in z-lab's published format or speculators' (read through
+`schema.normalized_hf_config`); a tensor may be spelled as any of its checkpoint names
+(`TensorSpec.hf_aliases`: DFlash 2 codebooks with or without `.weight`). GGUF: the layout the
+pinned llama.cpp reads (arch `dflash`), ours or llama.cpp's, any type gguf-py can dequantise.
+Both give the same `DFlashDraft`, in float32 by default. What the files mean, and what is
+refused, is `dflash_llama.schema`; like the runtime, the draft always uses the target's token
+embeddings and head (a draft with its own is refused).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def load_draft(path: str | os.PathLike, embed_tokens: torch.Tensor | None = None
     if not path.exists():
         raise FileNotFoundError(f"draft {path} does not exist")
     if path.is_dir():
-        cfg, tensors = read_hf_config(path), _read_safetensors(path)
+        cfg, tensors = read_hf_config(path), _canonical_names(path, _read_safetensors(path))
         d2t = tensors.pop(S.D2T, None)  # a reduced vocabulary: offsets, target id = row + d2t[row]
         _check_shapes(path, cfg, tensors)
         if not cfg.rope_neox:  # interleaved-pair RoPE -> NeoX halves, per head, like llama.cpp's converter
@@ -96,6 +99,19 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
             raise ValueError(f"{path / name}: unreadable safetensors file ({e})") from e
     # some exports prefix every name with "model."
     return {k.removeprefix("model."): v for k, v in tensors.items()}
+
+
+def _canonical_names(source, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor under the layout table's own name (`TensorSpec.hf`), not one of its aliases;
+    names not in the table stay (`_check_shapes` names them)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        known = S.gguf_tensor_name(name)
+        canonical = name if known is None else S.hf_tensor_name(known[0])[0]
+        if canonical in out:
+            raise ValueError(f"{source}: tensor {canonical} is there twice (also as {name})")
+        out[canonical] = t
+    return out
 
 
 def _check_shapes(source, cfg: DraftConfig, tensors: dict) -> None:

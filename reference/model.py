@@ -1,9 +1,16 @@
-"""The DFlash 1 draft model in plain PyTorch (no transformers inside).
+"""The DFlash draft model (DFlash 1 and DFlash 2) in plain PyTorch (no transformers inside).
 
 One forward takes the target features of context tokens the draft has not seen yet and a block
 `[last accepted token, MASK, ..., MASK]`, and returns logits for block positions 1..B-1. The draft
 owns `fc`, `hidden_norm`, its decoder layers and the final `norm`; token embeddings and the LM head
 are the target's, handed in with `attach_target`. Weights are loaded by `checkpoint.load_draft`.
+
+A DFlash 2 draft (`schema.DFLASH2`) adds two heads to that backbone. Each layer wraps attention
+and the MLP in a grouped dynamic causal convolution (`attention_conv`, `mlp_conv`: the input side
+on the normed input, the output side, with the same dynamic coefficients, on the sublayer's
+output; its taps never leave the block, so the anchor has no predecessor and the injected context
+never passes through it). And `propose` walks the `candidate_selector` from the anchor over the
+top-K candidates of each draft slot, instead of taking each slot's argmax.
 
 Everything is unbatched (one sequence): token-major tensors `[n_tokens, ...]`, as in ggml graphs.
 
@@ -29,6 +36,27 @@ n = number of new context tokens, B = block length, H = hidden size, F = n_taps 
                                       output_multiplier and soft-capping, which llama.cpp applies in
                                       its sampler for DFlash 1 (the forward's return value has them)
 
+A DFlash 2 draft adds, with G = H / conv_group_size groups, K_c = conv_kernel_size taps,
+K = selector_top_k candidates, r = selector_rank and n = B - 1 draft slots (`propose` only for the
+selector's):
+
+    attn_conv_dyn-N     [B, 2*K_c*G]  attention_conv.kernel_projection(noise_norm): the dynamic taps,
+                                      viewed [B, side, tap, group] (side 0 input, 1 output)
+    attn_conv_in-N      [B, H]        the input side applied to noise_norm: what q, k and v read
+                                      (Qcur, Kcur, Vcur then come from it, not from noise_norm)
+    attn_conv_out-N     [B, H]        the output side applied to o_proj(attention), before the residual
+    ffn_conv_dyn-N      [B, 2*K_c*G]  mlp_conv.kernel_projection(ffn_norm)
+    ffn_conv_in-N       [B, H]        the input side applied to ffn_norm: what the MLP reads
+    ffn_out-N           [B, H]        the MLP's output, before its output side
+    ffn_conv_out-N      [B, H]        the output side applied to ffn_out, before the residual
+    selector_unary      [n, K]        the candidates' logits (after output_multiplier and soft-capping)
+    selector_candidates [n, K]        token ids: the top-K of each slot, by logit descending, ties by
+                                      the smaller id
+    selector_gate       [n, r]        hidden_projection(result_norm) of the draft slots
+    selector_scores     [n, K, K]     score[slot, predecessor index, candidate index]; slot 1's only
+                                      predecessor is the anchor: its row 0, repeated in every row
+    selector_path       [n]           the walked tokens (the draft)
+
 `fc_out` is named in llama.cpp's encoder graph only; its decoder graph names the normed tensor
 `inp_g_embeddings`. A context batch and a block are separate llama.cpp graphs; here they are one
 call. The untraced path pays one `is not None` test per name.
@@ -36,11 +64,13 @@ call. The untraced path pays one `is not None` test per name.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dflash_llama.schema import DraftHParams, default_target_layer_ids, rope_halves_order  # noqa: F401
+from dflash_llama.schema import CONV, SELECTOR, DraftHParams, default_target_layer_ids, rope_halves_order  # noqa: F401
 
 DraftConfig = DraftHParams  # the model's config is the one draft schema
 
@@ -105,6 +135,41 @@ class DraftCache:
         self.positions = self.positions[:length]
 
 
+class GroupedDynamicConv(nn.Module):
+    """DFlash 2's grouped dynamic causal convolution around one sublayer (`attention_conv`,
+    `mlp_conv`). At block position i and channel c, side s (0: the sublayer's input, 1: its output):
+
+        out[i, c] = sum over taps t of (base_kernel[s, t, c] + dyn[i, s, t, c // group_size]) * y[i - t, c]
+
+    with y[j] = 0 before the block start and `dyn = kernel_projection(u)` from the sublayer's normed
+    input u, computed once and used by both sides. New, it is the identity (tap 0 is 1, the
+    projection 0): a DFlash 1 layer.
+    """
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.kernel_size, self.group_size = cfg.conv_kernel_size, cfg.conv_group_size
+        base = torch.zeros(2, self.kernel_size, cfg.n_embd)  # [side, tap, channel]
+        base[:, 0] = 1.0
+        self.base_kernel = nn.Parameter(base)
+        groups = cfg.n_embd // self.group_size
+        self.kernel_projection = nn.Linear(cfg.n_embd, 2 * self.kernel_size * groups, bias=False)
+        nn.init.zeros_(self.kernel_projection.weight)
+
+    def forward(self, y: torch.Tensor, dyn: torch.Tensor, side: int) -> torch.Tensor:
+        """y: [..., L, H], one block of L positions; dyn: [..., L, 2*K*G] (kernel_projection's
+        output for the same positions) -> [..., L, H]."""
+        *lead, length, hidden = y.shape
+        k = self.kernel_size
+        coeff = dyn.view(*lead, length, 2, k, hidden // self.group_size)[..., side, :, :]
+        weight = self.base_kernel[side] + coeff.repeat_interleave(self.group_size, dim=-1)  # [..., L, K, H]
+        out = weight[..., 0, :] * y
+        for tap in range(1, min(k, length)):  # a tap reaching before the block start reads zeros
+            shifted = F.pad(y[..., :length - tap, :], (0, 0, tap, 0))
+            out = out + weight[..., tap, :] * shifted
+        return out
+
+
 class DraftLayer(nn.Module):
     """One decoder layer; attribute names follow the published checkpoint (`layers.N.*`)."""
 
@@ -128,6 +193,9 @@ class DraftLayer(nn.Module):
         self.mlp.gate_proj = nn.Linear(cfg.n_embd, cfg.n_ff, bias=False)
         self.mlp.up_proj = nn.Linear(cfg.n_embd, cfg.n_ff, bias=False)
         self.mlp.down_proj = nn.Linear(cfg.n_ff, cfg.n_embd, bias=False)
+        dflash2 = cfg.variant.has(CONV)
+        self.attention_conv = GroupedDynamicConv(cfg) if dflash2 else None
+        self.mlp_conv = GroupedDynamicConv(cfg) if dflash2 else None
 
     def context_kv(self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """K (k_norm + RoPE) and V of the projected context c: [n, H] -> [n, n_kv, D] each."""
@@ -157,11 +225,18 @@ class DraftLayer(nn.Module):
         packs many blocks into one call and gives each its own view of the context."""
         il, a = self.il, self.self_attn
         h = self.input_layernorm(x)
+        if trace is not None:
+            trace[f"noise_norm-{il}"] = h
+        attn_dyn = None
+        if self.attention_conv is not None:  # DFlash 2: q, k and v read the convolved block
+            attn_dyn = self.attention_conv.kernel_projection(h)
+            h = self.attention_conv(h, attn_dyn, 0)
+            if trace is not None:
+                trace[f"attn_conv_dyn-{il}"], trace[f"attn_conv_in-{il}"] = attn_dyn, h
         q = apply_rope(a.q_norm(a.q_proj(h).view(-1, self.n_head, self.head_dim)), blk_cos, blk_sin)
         k = apply_rope(a.k_norm(a.k_proj(h).view(-1, self.n_kv, self.head_dim)), blk_cos, blk_sin)
         v = a.v_proj(h).view(-1, self.n_kv, self.head_dim)
         if trace is not None:
-            trace[f"noise_norm-{il}"] = h
             trace[f"Qcur-{il}"], trace[f"Kcur-{il}"], trace[f"Vcur-{il}"] = q, k, v
 
         # block queries see every context key and every block key (non-causal unless configured)
@@ -174,14 +249,111 @@ class DraftLayer(nn.Module):
                                               scale=self.head_dim ** -0.5)
         attn = attn.transpose(0, 1).reshape(x.shape[0], -1)  # [B, n_head * D]
 
-        x = x + a.o_proj(attn)
+        attn = a.o_proj(attn)
+        if attn_dyn is not None:
+            attn = self.attention_conv(attn, attn_dyn, 1)
+            if trace is not None:
+                trace[f"attn_conv_out-{il}"] = attn
+        x = x + attn
         hn = self.post_attention_layernorm(x)
-        f = self.mlp.down_proj(F.silu(self.mlp.gate_proj(hn)) * self.mlp.up_proj(hn))
-        out = x + f
         if trace is not None:
             trace[f"ffn_inp-{il}"], trace[f"ffn_norm-{il}"] = x, hn
-            trace[f"ffn_out-{il}"], trace[f"l_out-{il}"] = f, out
+        ffn_dyn = None
+        if self.mlp_conv is not None:
+            ffn_dyn = self.mlp_conv.kernel_projection(hn)
+            hn = self.mlp_conv(hn, ffn_dyn, 0)
+            if trace is not None:
+                trace[f"ffn_conv_dyn-{il}"], trace[f"ffn_conv_in-{il}"] = ffn_dyn, hn
+        f = self.mlp.down_proj(F.silu(self.mlp.gate_proj(hn)) * self.mlp.up_proj(hn))
+        if trace is not None:
+            trace[f"ffn_out-{il}"] = f
+        if ffn_dyn is not None:
+            f = self.mlp_conv(f, ffn_dyn, 1)
+            if trace is not None:
+                trace[f"ffn_conv_out-{il}"] = f
+        out = x + f
+        if trace is not None:
+            trace[f"l_out-{il}"] = out
         return out
+
+
+@dataclass
+class Walk:
+    """A DFlash 2 draft's proposal for draft slots 1..n: the walked tokens, each slot's candidates
+    and, when sampled, the distribution over them that each token was drawn from."""
+
+    tokens: torch.Tensor  # [n] the draft
+    candidates: torch.Tensor  # [n, K] token ids
+    q: torch.Tensor | None = None  # [n, K] sampled: each row sums to 1; greedy: None
+    probs: torch.Tensor | None = None  # [n, V] q over the whole vocabulary, zero outside the candidates
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2's candidate selector: a left-to-right walk over the top-K candidates of each draft
+    slot, from the anchor. Slot s scores its candidate k after predecessor p as
+
+        unary_s[k] + sum over r of A[p, r] * gate_s[r] * B[cand_s[k], r]
+
+    with A, B the predecessor and successor codebooks (rows: target token ids) and
+    gate_s = hidden_projection(result_norm of slot s); its token is the argmax over k (greedy) or a
+    draw from softmax(scores / temperature), and becomes the next slot's predecessor."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.top_k = cfg.selector_top_k
+        # plain Parameters: the checkpoint's names carry no `.weight`
+        self.predecessor_codebook = nn.Parameter(torch.zeros(cfg.n_vocab, cfg.selector_rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(cfg.n_vocab, cfg.selector_rank))
+        self.hidden_projection = nn.Linear(cfg.n_embd, cfg.selector_rank, bias=False)
+
+    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-K of each row of logits [n, V]: (values, ids) [n, K], by value descending and
+        ties by the smaller id (deterministic, unlike `torch.topk(sorted=False)`)."""
+        k = self.top_k
+        values, ids = logits.topk(k, dim=-1)
+        if bool(((logits >= values[:, -1:]).sum(-1) > k).any()):  # a tie across the K-th place
+            values, ids = logits.sort(dim=-1, descending=True, stable=True)  # slow, but exact
+            return values[:, :k], ids[:, :k]
+        ids = ids.sort(dim=-1).values  # the top-K set is settled: order it
+        values, order = logits.gather(-1, ids).sort(dim=-1, descending=True, stable=True)
+        return values, ids.gather(-1, order)
+
+    def scores(self, gate: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
+               anchor: int) -> torch.Tensor:
+        """Every slot's scores [n, K, K]: [slot, predecessor index, candidate index]; the
+        predecessors of slot s are the candidates of slot s - 1, those of the first slot the anchor
+        (the same row K times)."""
+        predecessors = torch.cat([torch.full_like(candidates[:1], anchor), candidates[:-1]])
+        pred = self.predecessor_codebook[predecessors] * gate[:, None, :]  # [n, K, r]
+        succ = self.successor_codebook[candidates]  # [n, K, r]
+        return unary[:, None, :] + pred @ succ.transpose(1, 2)
+
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int, temperature: float = 0.0,
+             generator: torch.Generator | None = None, trace: dict | None = None) -> Walk:
+        """hidden: [n, H] post-norm states of the draft slots; logits: [n, V] their logits in the
+        target's vocabulary (after output_multiplier and soft-capping; -inf outside a reduced
+        vocabulary). temperature 0: greedy; else one draw per slot with `generator`."""
+        unary, candidates = self.candidates(logits)
+        gate = self.hidden_projection(hidden)
+        scores = self.scores(gate, unary, candidates, anchor)
+        path, q_rows, index = [], [], 0  # every row of the first slot is the anchor's
+        for slot in range(scores.shape[0]):
+            row = scores[slot, index]
+            if temperature > 0:
+                q_rows.append(torch.softmax(row.float() / temperature, dim=-1))
+                index = int(torch.multinomial(q_rows[-1], 1, generator=generator))
+            else:
+                index = int(row.argmax())  # ties: the first, i.e. the higher unary
+            path.append(int(candidates[slot, index]))
+        tokens = torch.tensor(path, dtype=torch.long)
+        if trace is not None:
+            trace.update(selector_unary=unary, selector_candidates=candidates, selector_gate=gate,
+                         selector_scores=scores, selector_path=tokens)
+        if not q_rows:
+            return Walk(tokens, candidates)
+        q = torch.stack(q_rows)
+        probs = q.new_zeros(q.shape[0], self.predecessor_codebook.shape[0]).scatter(-1, candidates, q)
+        return Walk(tokens, candidates, q, probs)
 
 
 class DFlashDraft(nn.Module):
@@ -194,6 +366,7 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg, il) for il in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
+        self.candidate_selector = CandidateSelector(cfg) if cfg.variant.has(SELECTOR) else None
         self.embed_tokens: torch.Tensor | None = None  # the target's, [V, H]
         self.lm_head: torch.Tensor | None = None  # the target's, [V, H]; or the draft's own, [K, H]
         self.d2t: torch.Tensor | None = None  # a reduced vocabulary: the target id of each head row, [K]
@@ -216,6 +389,9 @@ class DFlashDraft(nn.Module):
         if d2t.numel() and (int(d2t.min()) < 0 or int(d2t.max()) >= cfg.n_vocab
                             or d2t.unique().numel() != d2t.numel()):
             raise ValueError(f"d2t must hold distinct token ids below the vocabulary size {cfg.n_vocab}")
+        if cfg.selector_top_k > d2t.numel():
+            raise ValueError(f"selector_top_k {cfg.selector_top_k} is larger than the draft vocabulary "
+                             f"({d2t.numel()} tokens)")
         self._head_from_target = head is None
         if head is None and self.lm_head is not None and self.d2t is None:
             head = self.lm_head[d2t]  # the target's head is attached already
@@ -252,6 +428,25 @@ class DFlashDraft(nn.Module):
         positions start .. start+B-1. With a cache, it must hold exactly positions 0..start-n-1,
         and afterwards holds 0..start-1.
         """
+        return self.block_logits(self.block_states(ctx_feat, block_ids, start, cache, trace), trace)
+
+    def propose(self, ctx_feat: torch.Tensor, block_ids: torch.Tensor | list[int], start: int,
+                cache: DraftCache | None = None, *, temperature: float = 0.0,
+                generator: torch.Generator | None = None, trace: dict | None = None) -> Walk:
+        """A DFlash 2 draft's tokens for block positions 1..B-1: the candidate selector's walk from
+        the anchor block_ids[0], after one forward (arguments as `forward`). temperature 0:
+        greedy; else sampled with `generator`."""
+        if self.candidate_selector is None:
+            raise ValueError(f"a {self.config.variant.title} draft has no candidate selector: its "
+                             "tokens come from its logits")
+        block_ids = torch.as_tensor(block_ids, dtype=torch.long)
+        y = self.block_states(ctx_feat, block_ids, start, cache, trace)
+        return self.candidate_selector.walk(y[1:], self.block_logits(y, trace), int(block_ids[0]),
+                                            temperature, generator, trace)
+
+    def block_states(self, ctx_feat: torch.Tensor, block_ids: torch.Tensor | list[int], start: int,
+                     cache: DraftCache | None = None, trace: dict | None = None) -> torch.Tensor:
+        """`result_norm` [B, H]: the final norm of every block position (arguments as `forward`)."""
         cfg = self.config
         if self.embed_tokens is None:
             raise RuntimeError("attach_target(embed_tokens, lm_head) must be called first")
@@ -292,11 +487,16 @@ class DFlashDraft(nn.Module):
             x = layer(x, k_new, v_new, all_pos, blk_pos, blk_cos, blk_sin, trace)
         if cache is not None:
             cache.positions = all_pos
-
         y = self.norm(x)
+        if trace is not None:
+            trace["result_norm"] = y
+        return y
+
+    def block_logits(self, y: torch.Tensor, trace: dict | None = None) -> torch.Tensor:
+        """Logits [B-1, V] of block positions 1..B-1 from `result_norm` y [B, H]."""
         logits = F.linear(y[1:], self.lm_head)
         if trace is not None:  # the whole block, computed apart so tracing never changes logits
-            trace["result_norm"], trace["result_output"] = y, self.to_vocabulary(F.linear(y, self.lm_head))
+            trace["result_output"] = self.to_vocabulary(F.linear(y, self.lm_head))
         return self.to_vocabulary(self.finish_logits(logits))
 
     def to_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,9 @@
 `generate_speculative` reads top to bottom: prefill, then per step draft a block, verify it with
 the target, accept the longest agreeing prefix plus one target token, roll the target cache back.
 Greedy is exact (same tokens as the target alone); sampling uses rejection sampling, which keeps
-the target's distribution.
+the target's distribution. A DFlash 2 draft proposes the walk of its candidate selector (greedy:
+the best path; sampled: a path drawn with the loop's generator, at the sampling temperature only),
+and its draws are accepted against their distributions over the candidates (zero elsewhere).
 """
 
 from __future__ import annotations
@@ -131,8 +133,9 @@ def generate_speculative(target, draft, prompt_ids, max_new_tokens: int, *,
     """DFlash speculative decoding of up to max_new_tokens after prompt_ids.
 
     target: `target.Target`; draft: `model.DFlashDraft` (or anything with its forward,
-    new_cache, block_size, mask_token_id and target_layer_ids). Stops after a stop token (kept
-    in the output) or at max_new_tokens.
+    new_cache, block_size, mask_token_id and target_layer_ids; and propose when its
+    candidate_selector is not None). Stops after a stop token (kept in the output) or at
+    max_new_tokens.
     """
     prompt_ids = _check_request(prompt_ids, max_new_tokens)
     block_size = draft.block_size if block_size is None else block_size
@@ -141,6 +144,7 @@ def generate_speculative(target, draft, prompt_ids, max_new_tokens: int, *,
     stop = set(int(t) for t in stop_token_ids)
     gen = sampling.generator()
     layers = draft.target_layer_ids
+    walks = getattr(draft, "candidate_selector", None) is not None  # DFlash 2
 
     def pick(logits):  # [n, V] -> [n] ids, and their probabilities when sampling
         if sampling.greedy:
@@ -165,7 +169,11 @@ def generate_speculative(target, draft, prompt_ids, max_new_tokens: int, *,
 
         # draft: one forward proposes block positions 1..verify_size-1
         draft_probs = None
-        if verify_size > 1:
+        if verify_size > 1 and walks:
+            walk = draft.propose(ctx_feat, block, start, draft_cache,
+                                 temperature=sampling.temperature, generator=gen)
+            block[1:], draft_probs = walk.tokens, walk.probs
+        elif verify_size > 1:
             draft_logits = draft(ctx_feat, block, start, draft_cache)
             block[1:], draft_probs = pick(draft_logits)
 

@@ -119,7 +119,7 @@ def test_sliding_window_needs_use_sliding_window():
 @pytest.mark.parametrize("over, message", [
     ({"dflash_config": {}}, "no mask_token_id"),
     ({"num_target_layers": None}, "neither target_layer_ids nor num_target_layers"),
-    ({"architectures": ["DFlash2DraftModel"]}, "DFlash 2 drafts .* not supported yet"),
+    ({"architectures": ["DFlash2DraftModel"]}, "a DFlash 2 config needs dflash_config.conv_kernel_size"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type 'yarn'"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"layer_types": ["full_attention"]}, "layer_types has 1 entries for 2 layers"),
