@@ -9,7 +9,8 @@ import importlib
 
 _EXPORTS = {
     "load_draft": ".checkpoint", "load_draft_for_target": ".checkpoint", "read_hf_config": ".checkpoint",
-    "DFlashDraft": ".model", "DraftCache": ".model", "DraftConfig": ".model", "default_target_layer_ids": ".model",
+    "DFlashDraft": ".model", "DraftCache": ".model", "DraftConfig": ".model", "Walk": ".model",
+    "default_target_layer_ids": ".model",
     "GenerationResult": ".speculative", "Sampling": ".speculative", "Step": ".speculative",
     "generate_autoregressive": ".speculative", "generate_speculative": ".speculative",
     "Target": ".target", "TargetOutput": ".target",

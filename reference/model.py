@@ -224,20 +224,20 @@ class DraftLayer(nn.Module):
         attn_mask: [B, T + B] bool (True = visible) replacing the layer's own rule; the trainer
         packs many blocks into one call and gives each its own view of the context."""
         il, a = self.il, self.self_attn
-        h = self.input_layernorm(x)
-        if trace is not None:
-            trace[f"noise_norm-{il}"] = h
+
+        def traced(name: str, t: torch.Tensor) -> torch.Tensor:  # t, kept as `name-il` when tracing
+            if trace is not None:
+                trace[f"{name}-{il}"] = t
+            return t
+
+        h = traced("noise_norm", self.input_layernorm(x))
         attn_dyn = None
         if self.attention_conv is not None:  # DFlash 2: q, k and v read the convolved block
-            attn_dyn = self.attention_conv.kernel_projection(h)
-            h = self.attention_conv(h, attn_dyn, 0)
-            if trace is not None:
-                trace[f"attn_conv_dyn-{il}"], trace[f"attn_conv_in-{il}"] = attn_dyn, h
-        q = apply_rope(a.q_norm(a.q_proj(h).view(-1, self.n_head, self.head_dim)), blk_cos, blk_sin)
-        k = apply_rope(a.k_norm(a.k_proj(h).view(-1, self.n_kv, self.head_dim)), blk_cos, blk_sin)
-        v = a.v_proj(h).view(-1, self.n_kv, self.head_dim)
-        if trace is not None:
-            trace[f"Qcur-{il}"], trace[f"Kcur-{il}"], trace[f"Vcur-{il}"] = q, k, v
+            attn_dyn = traced("attn_conv_dyn", self.attention_conv.kernel_projection(h))
+            h = traced("attn_conv_in", self.attention_conv(h, attn_dyn, 0))
+        q = traced("Qcur", apply_rope(a.q_norm(a.q_proj(h).view(-1, self.n_head, self.head_dim)), blk_cos, blk_sin))
+        k = traced("Kcur", apply_rope(a.k_norm(a.k_proj(h).view(-1, self.n_kv, self.head_dim)), blk_cos, blk_sin))
+        v = traced("Vcur", a.v_proj(h).view(-1, self.n_kv, self.head_dim))
 
         # block queries see every context key and every block key (non-causal unless configured)
         keys = torch.cat([ctx_k, k]).transpose(0, 1)  # [n_kv, T + B, D]
@@ -247,34 +247,20 @@ class DraftLayer(nn.Module):
         mask = attn_mask if attn_mask is not None else self.attention_mask(blk_pos, torch.cat([ctx_pos, blk_pos]))
         attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
                                               scale=self.head_dim ** -0.5)
-        attn = attn.transpose(0, 1).reshape(x.shape[0], -1)  # [B, n_head * D]
-
-        attn = a.o_proj(attn)
+        attn = a.o_proj(attn.transpose(0, 1).reshape(x.shape[0], -1))  # [B, n_head * D] -> [B, H]
         if attn_dyn is not None:
-            attn = self.attention_conv(attn, attn_dyn, 1)
-            if trace is not None:
-                trace[f"attn_conv_out-{il}"] = attn
-        x = x + attn
-        hn = self.post_attention_layernorm(x)
-        if trace is not None:
-            trace[f"ffn_inp-{il}"], trace[f"ffn_norm-{il}"] = x, hn
+            attn = traced("attn_conv_out", self.attention_conv(attn, attn_dyn, 1))
+
+        x = traced("ffn_inp", x + attn)
+        hn = traced("ffn_norm", self.post_attention_layernorm(x))
         ffn_dyn = None
-        if self.mlp_conv is not None:
-            ffn_dyn = self.mlp_conv.kernel_projection(hn)
-            hn = self.mlp_conv(hn, ffn_dyn, 0)
-            if trace is not None:
-                trace[f"ffn_conv_dyn-{il}"], trace[f"ffn_conv_in-{il}"] = ffn_dyn, hn
-        f = self.mlp.down_proj(F.silu(self.mlp.gate_proj(hn)) * self.mlp.up_proj(hn))
-        if trace is not None:
-            trace[f"ffn_out-{il}"] = f
+        if self.mlp_conv is not None:  # DFlash 2: the MLP reads the convolved block
+            ffn_dyn = traced("ffn_conv_dyn", self.mlp_conv.kernel_projection(hn))
+            hn = traced("ffn_conv_in", self.mlp_conv(hn, ffn_dyn, 0))
+        f = traced("ffn_out", self.mlp.down_proj(F.silu(self.mlp.gate_proj(hn)) * self.mlp.up_proj(hn)))
         if ffn_dyn is not None:
-            f = self.mlp_conv(f, ffn_dyn, 1)
-            if trace is not None:
-                trace[f"ffn_conv_out-{il}"] = f
-        out = x + f
-        if trace is not None:
-            trace[f"l_out-{il}"] = out
-        return out
+            f = traced("ffn_conv_out", self.mlp_conv(f, ffn_dyn, 1))
+        return traced("l_out", x + f)
 
 
 @dataclass
