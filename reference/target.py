@@ -10,6 +10,16 @@ recurrent layers (Gated DeltaNet, Mamba) cannot be cropped: transformers' crop c
 convolution window only and leaves the recurrent state after the whole block. For such a cache
 each forward keeps a copy of the state before it, and a crop restores that copy and runs the kept
 tokens again, as the runtime's checkpoint rollback does.
+
+Memory. `Target.load` builds the transformers model on the meta device and fills it from the file
+through transformers' own conversion of that file (its GGUF tensor processors and weight
+conversions, or the safetensors it would read), one group of tensors at a time, so the numbers are
+those of `from_pretrained` bit for bit. A target whose weights fit in `KEEP_BELOW_BYTES` at the
+reference dtype is filled whole at load (the model is then the one `from_pretrained` builds); a
+larger one is layer-streamed: each decoder layer's weights are read and dequantised when the layer
+runs and released after it, the output head stays resident (the draft multiplies by it too), and
+the token embedding's rows are read as tokens first need them (`Target.embedding`). Peak memory
+is then about one layer and the head at the reference dtype, plus activations.
 """
 
 from __future__ import annotations
@@ -17,10 +27,15 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+KEEP_BELOW_BYTES = 2 << 30  # a target whose weights take less at the reference dtype is loaded whole
+DEVICES = ("cpu", "cuda")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -30,18 +45,41 @@ class TargetOutput:
 
 
 class Target:
-    def __init__(self, model, tokenizer=None, source: str = ""):
+    def __init__(self, model, tokenizer=None, source: str = "", weights: StreamedWeights | None = None):
         self.model = model.eval()
         self.config = model.config.get_text_config(decoder=True)
         self._tokenizer = tokenizer
         self.source = source
+        self.weights = weights  # None: a model whose weights are all in memory
         # transformers renamed the forward's `past_key_values` to `cache` (5.2x)
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     @classmethod
-    def load(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Target:
-        """From an HF directory or a `.gguf` file (transformers' GGUF loader)."""
+    def load(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu",
+             streamed: bool | None = None, progress: bool = False) -> Target:
+        """From an HF directory or a `.gguf` file, through transformers' conversion of it.
+
+        streamed: None decides by size (layer-streamed above KEEP_BELOW_BYTES), True streams layers
+        whatever the size, False loads whole; progress: a bar per forward over the layers while
+        streaming."""
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"target {path} does not exist")
+        if device not in DEVICES:
+            raise ValueError(f"reference device {device!r}: choose one of {', '.join(DEVICES)}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("reference device cuda: the installed torch sees no CUDA GPU")
+        try:
+            weights = StreamedWeights.open(path, dtype, device, streamed, progress)
+        except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
+            raise ValueError(f"cannot load target {path} with transformers: {e}") from e
+        return cls(weights.model, source=str(path), weights=weights)
+
+    @classmethod
+    def load_whole(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Target:
+        """transformers' `from_pretrained` on the whole file: every weight in memory at `dtype`
+        (what `load` equals bit for bit)."""
         from transformers import AutoModelForCausalLM
 
         path = Path(path)
@@ -53,9 +91,18 @@ class Target:
             else:
                 model = AutoModelForCausalLM.from_pretrained(
                     path.parent, gguf_file=path.name, dtype=dtype, **_gguf_overrides(path))
-        except (OSError, ValueError, KeyError, RuntimeError) as e:
+        except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
             raise ValueError(f"cannot load target {path} with transformers: {e}") from e
         return cls(model.to(dtype), source=str(path))
+
+    @property
+    def streamed(self) -> bool:
+        """Whether layers are read when they run and released after."""
+        return self.weights is not None and not self.weights.keep
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_output_embeddings().weight.device
 
     @property
     def tokenizer(self):
@@ -82,8 +129,15 @@ class Target:
 
     @property
     def embed_tokens(self) -> torch.Tensor:
-        """[vocab, hidden]"""
+        """[vocab, hidden], every row read (a streamed target reads them all here: see `embedding`)."""
+        if self.weights is not None and self.weights.embedding is not None:
+            self.weights.embedding.fill_all()
         return self.model.get_input_embeddings().weight
+
+    @property
+    def embedding(self) -> EmbeddingRows | None:
+        """A streamed target's token embedding, rows read on demand (None: `embed_tokens` is whole)."""
+        return None if self.weights is None else self.weights.embedding
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -150,25 +204,26 @@ class Target:
         feature_layers: target layer ids whose outputs make the draft features; trace: stores
         `target_feat-L` ([n, H], the output of target layer L) for each of them.
         """
-        ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1).to(self.device)
         if cache.get_seq_length() != start:
             raise ValueError(f"the target cache holds {cache.get_seq_length()} tokens, "
                              f"not {start}")
         if self._is_recurrent(cache):
             cache._before_last_forward = (copy.deepcopy(cache.layers), start, ids[0].tolist())
-        positions = torch.arange(start, start + ids.shape[1])[None]
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
         want = bool(feature_layers)
-        out = self.model(input_ids=ids, position_ids=positions, use_cache=True,
-                         output_hidden_states=want, logits_to_keep=logits_to_keep,
-                         **{self._cache_arg: cache})
+        with self.weights.pass_over(ids.shape[1]) if self.weights is not None else _nothing():
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=True,
+                             output_hidden_states=want, logits_to_keep=logits_to_keep,
+                             **{self._cache_arg: cache})
         features = None
         if want:
-            taps = [out.hidden_states[i + 1][0] for i in feature_layers]
+            taps = [out.hidden_states[i + 1][0].cpu() for i in feature_layers]
             features = torch.cat(taps, dim=-1)
             if trace is not None:
                 for i, t in zip(feature_layers, taps):
                     trace[f"target_feat-{i}"] = t
-        return TargetOutput(out.logits[0].float(), features)
+        return TargetOutput(out.logits[0].float().cpu(), features)
 
 
 def _gguf_overrides(path: Path) -> dict:
@@ -178,3 +233,282 @@ def _gguf_overrides(path: Path) -> dict:
 
     key_length = gguf_info(path).get("attention.key_length")
     return {} if key_length is None else {"head_dim": int(key_length)}
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---------------------------------------------------------------- where the weights come from
+
+class _GGUFSource:
+    """A GGUF's tensors as transformers converts them: its tensor processors (legacy loader) or the
+    file's raw blocks with the load-time conversions of its GGUF quantizer (Qwen3.5, LFM2, ...)."""
+
+    EMBED = "token_embd.weight"
+    LAYER = re.compile(r"^blk\.(\d+)\.")
+
+    def __init__(self, path: Path, model, quantizer, dtype: torch.dtype):
+        from dflash_llama import gguf_info
+
+        self.path, self.model, self.quantizer, self.dtype = path, model, quantizer, dtype
+        self.info = gguf_info(path)
+        self.keys = [t.name for t in self.info.tensors]
+        self.HEAD = "output.weight" if "output.weight" in self.keys else None  # None: tied to EMBED
+        self._lazy = None
+        if quantizer.supported:
+            self._lazy = quantizer.get_state_dict(str(path), model)  # raw blocks, read when converted
+        else:
+            from transformers import modeling_gguf_pytorch_utils as G
+
+            # the processors read the config's values (heads, experts), which the model's config holds
+            processor = G.TENSOR_PROCESSORS.get(self.info.architecture, G.TensorProcessor)
+            self._processor = processor(config=model.config.to_dict())
+            self._names = G.get_gguf_hf_weights_map(model, self._processor)
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        import numpy as np
+
+        return sum(int(np.prod(t.shape)) for t in self.info.tensors) * dtype.itemsize
+
+    def state_dict(self, keys: list[str]) -> dict:
+        if self._lazy is not None:
+            return {k: self._lazy[k] for k in keys}
+        return self._processed(keys, {k: self.info.read(k) for k in keys})
+
+    def _processed(self, keys, arrays) -> dict:
+        import numpy as np
+
+        parsed = {"tensors": {}}
+        for k in keys:
+            r = self._processor.process(weights=arrays.pop(k), name=k, tensor_key_mapping=self._names,
+                                        parsed_parameters=parsed)
+            if r.name is not None and r.name in self._names:
+                parsed["tensors"][self._names[r.name]] = torch.from_numpy(np.copy(r.weights)).to(self.dtype)
+        return parsed["tensors"]
+
+    def rows(self, key: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a 2-D tensor, dequantised (blocks never span rows: the same values as whole)."""
+        import numpy as np
+
+        data = self.info.read(key, rows=ids.tolist())
+        if self._lazy is None:
+            data = self._processor.process(weights=data, name=key, tensor_key_mapping=self._names,
+                                           parsed_parameters={"tensors": {}}).weights
+        return torch.from_numpy(np.ascontiguousarray(data))
+
+
+class _HFSource:
+    """An HF directory's safetensors, read lazily (files opened per group, so nothing stays mapped)."""
+
+    LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.path = path
+        self.files = sorted(path.glob("*.safetensors"))
+        if not self.files:
+            raise ValueError(f"{path}: no *.safetensors files")
+        self._file_of, self._shapes = {}, {}
+        for f in self.files:
+            with safe_open(f, framework="pt") as h:
+                for k in h.keys():
+                    self._file_of[k] = f
+                    self._shapes[k] = h.get_slice(k).get_shape()
+        self.keys = list(self._file_of)
+        self.EMBED = next((k for k in self.keys if k.endswith("embed_tokens.weight")), None)
+        self.HEAD = next((k for k in self.keys if k.endswith("lm_head.weight")), None)
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        import math
+
+        return sum(math.prod(s) for s in self._shapes.values()) * dtype.itemsize
+
+    def state_dict(self, keys: list[str]) -> dict:
+        from safetensors import safe_open
+
+        out = {}
+        for f in {self._file_of[k] for k in keys}:
+            with safe_open(f, framework="pt") as h:
+                out.update({k: h.get_tensor(k) for k in keys if self._file_of[k] == f})
+        return out
+
+    def rows(self, key: str, ids: torch.Tensor) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self._file_of[key], framework="pt") as h:
+            table = h.get_slice(key)
+            return torch.cat([table[i:i + 1] for i in ids.tolist()]).float()
+
+
+# ---------------------------------------------------------------- the model, filled by groups
+
+class EmbeddingRows:
+    """A streamed target's token embedding [vocab, hidden]: an unfilled table whose rows are read
+    and dequantised when a token first needs them (untouched rows take no memory)."""
+
+    def __init__(self, source, key: str, shape, dtype: torch.dtype, device: str):
+        self.source, self.key = source, key
+        self.table = torch.empty(shape, dtype=dtype, device=device)
+        self.filled = torch.zeros(shape[0], dtype=torch.bool)
+
+    def fill(self, ids) -> None:
+        """Read the rows of token ids `ids` not read yet."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()
+        if ids.numel() and (ids.min() < 0 or ids.max() >= self.table.shape[0]):
+            raise ValueError(f"token id out of range 0..{self.table.shape[0] - 1}")
+        missing = torch.unique(ids)
+        missing = missing[~self.filled[missing]]
+        if missing.numel():
+            rows = self.source.rows(self.key, missing)
+            self.table[missing.to(self.table.device)] = rows.to(self.table.device, self.table.dtype)
+            self.filled[missing] = True
+
+    def fill_all(self, chunk: int = 1 << 14) -> None:
+        for first in range(0, self.table.shape[0], chunk):
+            self.fill(torch.arange(first, min(first + chunk, self.table.shape[0])))
+
+
+class StreamedWeights:
+    """A transformers causal LM built on the meta device and filled from its file by groups: the
+    decoder layers one by one, the token embedding, the output head, the rest (norms, ...).
+
+    keep: every group is filled once, at load (the model is the one `from_pretrained` builds);
+    otherwise a layer is filled by a hook just before it runs and emptied again after it."""
+
+    def __init__(self, model, source, load_config, device: str, keep: bool, progress: bool):
+        self.model, self.source, self.load_config = model, source, load_config
+        self.device, self.keep, self.progress = device, keep, progress
+        self.layers = model.get_decoder().layers
+        self.groups: dict = {}
+        for k in source.keys:
+            m = source.LAYER.search(k)
+            group = int(m.group(1)) if m else "embed" if k == source.EMBED else "head" if k == source.HEAD else "rest"
+            self.groups.setdefault(group, []).append(k)
+        self.embedding: EmbeddingRows | None = None
+        self._bar = None
+        self._fill(self.groups.get("rest", []), "the final norm and other tensors")
+        tied = source.HEAD is None
+        head_of = model.get_output_embeddings()
+        embed_of = model.get_input_embeddings()
+        if keep or tied:
+            self._fill(self.groups.get("embed", []), "the token embedding")
+        else:
+            self.embedding = EmbeddingRows(source, source.EMBED, tuple(embed_of.weight.shape), load_config.dtype,
+                                           device)
+            embed_of.weight = torch.nn.Parameter(self.embedding.table, requires_grad=False)
+            embed_of.register_forward_pre_hook(lambda _m, args, kwargs=None: self.embedding.fill(args[0]))
+        if tied:
+            head_of.weight = embed_of.weight
+        else:
+            self._fill(self.groups["head"], "the output head")
+        if keep:
+            for i in range(len(self.layers)):
+                self._fill(self.groups.get(i, []), f"layer {i}", self.layers[i])
+        else:
+            for i, layer in enumerate(self.layers):
+                layer.register_forward_pre_hook(self._before_layer(i))
+                layer.register_forward_hook(self._after_layer(i))
+            self._before_layer(0)(self.layers[0], ())  # a file transformers cannot convert fails here
+            self._empty(self.layers[0])
+        in_layers = {id(p) for p in self.layers.parameters()}
+        lacking = [n for n, p in model.named_parameters() if p.device.type == "meta"
+                   and (keep or id(p) not in in_layers)]
+        if lacking:
+            raise ValueError(f"the file has no weights for {', '.join(lacking[:4])}")
+
+    @classmethod
+    def open(cls, path: Path, dtype: torch.dtype, device: str, streamed: bool | None, progress: bool):
+        import transformers
+        from transformers import AutoConfig
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.modeling_utils import LoadStateDictConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+        from transformers.quantizers.auto import get_hf_quantizer
+        from transformers.utils import ContextManagers
+
+        transformers.logging.disable_progress_bar()  # one "Loading weights" bar per group otherwise
+        gguf = not path.is_dir()
+        if gguf:
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, **_gguf_overrides(path))
+            quantizer, config, _ = get_hf_quantizer(config, None, None, True, {}, gguf_file=str(path))
+            quantizer.read_header(str(path))
+            dtype = quantizer.update_dtype(dtype)
+        else:
+            config, quantizer = AutoConfig.from_pretrained(path), None
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        with ContextManagers(model_class.get_init_context(dtype, quantizer is not None, False, False)):
+            model = model_class(config)
+            if quantizer is not None:
+                quantizer.preprocess_model(model=model, dtype=dtype, device_map=None,
+                                           checkpoint_files=[str(path)], use_kernels=False)
+        device_map = {"": torch.device(device)}
+        load_config = LoadStateDictConfig(
+            pretrained_model_name_or_path=str(path.parent if gguf else path), device_map=device_map, dtype=dtype,
+            dtype_plan=model._get_dtype_plan(dtype), hf_quantizer=quantizer,
+            weight_mapping=get_model_conversion_mapping(model, None, quantizer))
+        # non-persistent buffers (RoPE frequencies, embedding scales) computed as from_pretrained does
+        model._move_missing_keys_from_meta_to_device(set(), device_map, None, quantizer)
+        model.initialize_weights()
+        source = _GGUFSource(path, model, quantizer, dtype) if gguf else _HFSource(path)
+        keep = source.nbytes(dtype) <= KEEP_BELOW_BYTES if streamed is None else not streamed
+        return cls(model.eval(), source, load_config, device, keep, progress)
+
+    def _fill(self, keys: list[str], what: str, module=None) -> None:
+        """Convert and load `keys` into the model; every parameter of `module` must be filled."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+
+        info, _ = convert_and_load_state_dict_in_model(self.model, self.source.state_dict(keys), self.load_config)
+        problems = [f"{k}: {shape} in the file, {want} in the model" for k, shape, want in info.mismatched_keys]
+        problems += [f"{k}: {e}" for k, e in info.conversion_errors.items()]
+        if problems:
+            raise ValueError(f"{what}: " + "; ".join(problems[:3]))
+        if module is not None:
+            lacking = [n for n, p in module.named_parameters() if p.device.type == "meta"]
+            if lacking:
+                raise ValueError(f"{what}: the file has no weights for {', '.join(lacking[:4])}")
+
+    def _before_layer(self, i: int):
+        def hook(module, args, kwargs=None):
+            self._fill(self.groups.get(i, []), f"layer {i}", module)
+        return hook
+
+    def _after_layer(self, i: int):
+        def hook(module, args, output):
+            self._empty(module)
+            if self._bar is not None:
+                self._bar.update(1)
+        return hook
+
+    @staticmethod
+    def _empty(module) -> None:
+        """Release a layer's weights (back to the meta device: shapes only)."""
+        for sub in module.modules():
+            for name, p in sub._parameters.items():
+                if p is not None:
+                    sub._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=False)
+
+    def pass_over(self, n_tokens: int):
+        """A context for one forward: a progress bar over the layers when streaming with progress on."""
+        weights = self
+
+        class _Pass:
+            def __enter__(self):
+                if weights.progress and not weights.keep:
+                    from tqdm import tqdm
+
+                    weights._bar = tqdm(total=len(weights.layers), desc=f"reference target ({n_tokens} tokens)",
+                                        unit="layer", leave=False)
+
+            def __exit__(self, *exc):
+                if weights._bar is not None:
+                    weights._bar.close()
+                    weights._bar = None
+                return False
+
+        return _Pass()

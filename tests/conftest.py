@@ -130,3 +130,16 @@ def tiny_draft_gguf(tiny_draft_hf, tiny_target_gguf, tmp_path_factory) -> Path:
 
     return convert(tiny_draft_hf, tiny_target_gguf, tmp_path_factory.mktemp("tiny_draft_gguf") / "tiny-draft-f32.gguf",
                    outtype="f32")
+
+
+@pytest.fixture(scope="session")
+def family_targets(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """family -> (tiny HF target, its f32 GGUF by the pinned converter), every family of families.py."""
+    from dflash_llama import families
+
+    out = {}
+    for family in families.NAMES:
+        root = tmp_path_factory.mktemp(f"family_target_{family}")
+        hf = fixtures.tiny_target_hf(root / "hf", fixtures.TinyTargetConfig(family=family))
+        out[family] = hf, fixtures.tiny_target_gguf(hf, root / "target-f32.gguf", family=family)
+    return out
