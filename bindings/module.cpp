@@ -229,6 +229,7 @@ void bind_engine(nb::module_ & m) {
         .def_prop_ro("n_embd", [](engine & e) { return e.target().n_embd(); })
         .def_prop_ro("n_layer", [](engine & e) { return e.target().n_layer(); })
         .def_prop_ro("block_size", [](engine & e) { return e.hparams().block_size; })
+        .def_prop_ro("draft_variant", [](engine & e) { return std::string(e.hparams().variant().name); })
         .def_prop_ro("mask_token_id", [](engine & e) { return e.hparams().mask_token_id; })
         .def_prop_ro("target_layer_ids", [](engine & e) { return e.hparams().target_layer_ids; })
         .def("tokenize", [](engine & e, nb::bytes text, bool add_special) {  // bytes: checked as UTF-8 in C++

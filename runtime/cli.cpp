@@ -39,7 +39,8 @@ void print_usage(const char * argv0) {
         "usage: %s -m TARGET.gguf -md DRAFT.gguf (-p PROMPT | -f FILE) [options]\n"
         "\n"
         "  -m,  --model FILE        target model (GGUF)\n"
-        "  -md, --model-draft FILE  DFlash draft model (GGUF)\n"
+        "  -md, --model-draft FILE  DFlash draft model (GGUF): DFlash 1 or DFlash 2 (convolutions + candidate\n"
+        "                           selector)\n"
         "  -p,  --prompt TEXT       prompt\n"
         "  -f,  --file FILE         read the prompt from a file\n"
         "  -n,  --n-predict N       tokens to generate (default: 128)\n"
@@ -225,9 +226,19 @@ void print_json(const dflash::generate_result & r, const std::string & text) {
     std::printf("%s\n", ss.str().c_str());
 }
 
-void print_stats(const dflash::generate_result & r, bool speculative) {
+// `draft`: the draft's hyper-parameters, nullptr for plain decoding.
+void print_stats(const dflash::generate_result & r, const dflash::draft_hparams * draft) {
     const auto & s = r.stats;
+    const bool speculative = draft != nullptr;
     std::fprintf(stderr, "\n\n");
+    if (speculative) {
+        std::fprintf(stderr, "draft:            %s", draft->variant().title);
+        if (draft->variant().has(dflash::draft_head::selector)) {
+            std::fprintf(stderr, " (convolutions of %d taps, selector of rank %d over the top %d)", draft->conv_kernel_size,
+                         draft->selector_rank, draft->selector_top_k);
+        }
+        std::fprintf(stderr, "\n");
+    }
     std::fprintf(stderr, "prompt tokens:    %d\n", s.n_prompt);
     std::fprintf(stderr, "generated tokens: %d (stop: %s)\n", s.n_generated, r.stop_reason.c_str());
     if (speculative) {
@@ -275,7 +286,7 @@ int main(int argc, char ** argv) {
         if (args.json) {
             print_json(r, eng.target().detokenize(r.tokens));
         } else {
-            print_stats(r, !args.no_draft);
+            print_stats(r, args.no_draft ? nullptr : &eng.hparams());
         }
     } catch (const std::invalid_argument & e) {  // bad input: a value, a file, a prompt
         std::fprintf(stderr, "llama-dflash-cli: error: %s\n", one_line(e.what()).c_str());

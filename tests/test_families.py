@@ -1,8 +1,9 @@
 """Every target family with published DFlash drafts: greedy DFlash output equals plain greedy output.
 
 One tiny target per family (dflash_llama.families: transformers config, random weights from a seed,
-the pinned llama.cpp converter), f32, and a random 2-layer draft with a 16-token block converted by
-our converter against the target's GGUF. The block sizes 2, 4, 8 and 16 are the runtime's per-request
+the pinned llama.cpp converter), f32, and two random 2-layer drafts with a 16-token block converted by
+our converter against the target's GGUF: a DFlash 1 draft and a DFlash 2 one (convolutions and
+candidate selector). The block sizes 2, 4, 8 and 16 are the runtime's per-request
 `block_size` (the number of positions the draft decodes: the last token and block_size - 1 MASKs,
 every drafted token verified when draft_max is None), so one draft per family serves all of them.
 """
@@ -52,6 +53,20 @@ class Pair:
         self.draft = convert(draft_hf, self.target, root / "draft-f32.gguf", outtype="f32")
         self.rt = dflash_llama.Runtime(self.target, self.draft, n_threads=1, n_ctx=512, n_batch=64)
         self.root = root
+        self._plain: dict[str, object] = {}
+
+    def plain(self, prompt: str):
+        """Plain greedy decoding of N_NEW tokens (once per prompt: both drafts compare with it)."""
+        if prompt not in self._plain:
+            self._plain[prompt] = self.rt.autoregressive(prompt, N_NEW)
+        return self._plain[prompt]
+
+    def dflash2(self) -> dflash_llama.Runtime:
+        """A runtime with a random DFlash 2 draft (kernel 2, groups of 16, rank 16, top-4; block 16)."""
+        draft_hf = fixtures.tiny_draft_hf(self.root / "draft2-hf", self.hf, fixtures.TinyDraftConfig(
+            variant="dflash2", layers=2, target_layer_ids=[1, 2], block_size=16, seed=42))
+        draft = convert(draft_hf, self.target, self.root / "draft2-f32.gguf", outtype="f32")
+        return dflash_llama.Runtime(self.target, draft, n_threads=1, n_ctx=512, n_batch=64)
 
     def accepting(self) -> tuple[dflash_llama.Runtime, str]:
         """A runtime whose draft always proposes the token the target repeats most often after one
@@ -109,7 +124,7 @@ def test_greedy_dflash_equals_plain_decoding(pair):
     greedy decoding token for token."""
     assert len(PROMPTS) == 30
     for i, prompt in enumerate(PROMPTS):
-        ar = pair.rt.autoregressive(prompt, N_NEW)
+        ar = pair.plain(prompt)
         assert len(set(ar.tokens)) > 1, f"{pair.family}: prompt {i} repeats one token"  # a live target
         draft_max = DRAFT_MAX[i % 2]
         for block in BLOCK_SIZES:
@@ -120,6 +135,23 @@ def test_greedy_dflash_equals_plain_decoding(pair):
                 assert len(spec.steps[0].drafted) == block - 1
             else:  # the adaptive loop knows its step costs: it starts plain, probing with a shadow draft
                 assert spec.steps[0].drafted == [] and spec.policy.shadow_probes >= 1
+
+
+def test_greedy_dflash2_equals_plain_decoding(pair):
+    """The same 30 prompts x block sizes 2, 4, 8, 16 through a DFlash 2 draft, the whole block
+    verified on even prompts and the adaptive loop on odd ones: each generation equals plain greedy
+    decoding token for token."""
+    rt = pair.dflash2()
+    assert rt.draft_variant.name == "dflash2"
+    for i, prompt in enumerate(PROMPTS):
+        draft_max = DRAFT_MAX[i % 2]
+        for block in BLOCK_SIZES:
+            spec = rt.generate(prompt, N_NEW, block_size=block, draft_max=draft_max)
+            assert_same(spec, pair.plain(prompt), f"{pair.family}: DFlash 2, prompt {i}, block {block}, "
+                                                  f"draft_max {draft_max}")
+            assert all(len(s.drafted) <= block - 1 for s in spec.steps)
+            if draft_max is None:
+                assert len(spec.steps[0].drafted) == block - 1
 
 
 def test_accepted_drafts_keep_the_output_exact(pair):

@@ -25,6 +25,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .results import generation_json, plain_steps
+from .schema import VARIANTS, Variant
 
 INT32 = (-2**31, 2**31 - 1)
 UINT64 = (0, 2**64 - 1)
@@ -256,6 +257,11 @@ class Runtime:
         return self._engine.block_size
 
     @property
+    def draft_variant(self) -> Variant:
+        """The draft's kind (`schema.VARIANTS`): DFLASH1, or DFLASH2 (convolutions + candidate selector)."""
+        return VARIANTS[self._engine.draft_variant]
+
+    @property
     def mask_token_id(self) -> int:
         return self._engine.mask_token_id
 
@@ -339,7 +345,12 @@ class Runtime:
     def trace_draft(self, features: np.ndarray, block: Sequence[int]) -> dict[str, np.ndarray]:
         """Every named draft intermediate (float32, NumPy order) for context `features`
         ([n_ctx_tokens, n_taps * n_embd], at positions 0..) and a `block` at the next positions.
-        `result_output` is the raw head output of every block position: [B, n_vocab]."""
+        `result_output` is the raw head output of every block position: [B, n_vocab]. A DFlash 2
+        draft adds its convolutions' (`attn_conv_dyn-N` [B, 2*K*groups], `attn_conv_in-N`,
+        `attn_conv_out-N`, `ffn_conv_*-N` [B, n_embd]) and its selector's greedy walk from `block[0]`
+        over the n = B - 1 drafted slots: `selector_gate` [n, rank], `selector_unary` and
+        `selector_candidates` [n, K] (ordered by unary descending, ties by smaller id),
+        `selector_scores` [n, K, K] (slot, predecessor index, candidate index) and `selector_path` [n]."""
         feats = np.ascontiguousarray(features, dtype=np.float32)
         if feats.ndim != 2:
             raise ValueError(f"features must be 2-D [n_tokens, n_taps * n_embd], got shape {feats.shape}")
