@@ -13,7 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType as V
-from test_runtime_exactness import OTHER_PROMPTS, chi2_goodness_of_fit, exact_two_token_distribution, humaneval_prompts
+from test_families import assert_same
+from test_runtime_exactness import (
+    OTHER_PROMPTS,
+    chi2_goodness_of_fit,
+    exact_two_token_distribution,
+    humaneval_prompts,
+    sampling_setup,
+)
 from test_runtime_robust import refused, rewrite, tensor_data
 
 import dflash_llama
@@ -51,14 +58,6 @@ def dflash2_drafts(tiny_target_hf, tmp_path_factory) -> dict[str, tuple[Path, Pa
         hf = fixtures.tiny_draft_hf(root / "hf", tiny_target_hf, cfg)
         out[name] = hf, pinned_gguf(hf, tiny_target_hf, root / f"{name}.gguf", outtype)
     return out
-
-
-def assert_same(spec, ar, where: str):
-    assert spec.tokens == ar.tokens, f"{where}: speculative output differs from target greedy output"
-    assert spec.stop_reason == ar.stop_reason, where
-    assert sum(s.produced for s in spec.steps) == len(spec.tokens) - 1, where  # the first token: prefill
-    for s in spec.steps:
-        assert 0 <= s.accepted <= len(s.drafted) and 1 <= s.produced <= s.accepted + 1, where
 
 
 @pytest.mark.parametrize("name", DRAFTS)
@@ -176,13 +175,8 @@ def test_sampling_is_lossless(tiny_target_hf, tiny_target_gguf, tmp_path):
     its selector (gate scaled down: unary scores about 1 apart, pairwise terms of about 0.2) spreads the
     proposals over its four candidates; both the accept and the reject path run."""
     k = 3
-    target = dflash_llama.Runtime(tiny_target_gguf, n_threads=1, n_ctx=128)
-    prompt = target.tokenize("def fibonacci(n):")
-    exact = exact_two_token_distribution(target, prompt, k, 1.0)
-    t1_mode = max({t1 for t1, _ in exact}, key=lambda t1: sum(q for (a, _), q in exact.items() if a == t1))
-    proposal = max((t2 for a, t2 in exact if a == t1_mode), key=lambda t2: exact[t1_mode, t2])
-    names = GGUFReader(tiny_target_gguf).get_field("tokenizer.ggml.tokens").contents()
-    hf = fixtures.constant_draft_hf(tmp_path / "d", tiny_target_gguf, names[proposal],
+    target, prompt, exact, proposal = sampling_setup(tiny_target_gguf, k)
+    hf = fixtures.constant_draft_hf(tmp_path / "d", tiny_target_gguf, proposal,
                                     fixtures.TinyDraftConfig(variant="dflash2", block_size=4,
                                                              target_layer_ids=[2]))
     scale_tensor(hf, "candidate_selector.hidden_projection.weight", 0.1)  # the pairwise terms: a nudge

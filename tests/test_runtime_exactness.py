@@ -192,6 +192,20 @@ def exact_two_token_distribution(rt, prompt: list[int], k: int, temperature: flo
     return joint
 
 
+def sampling_setup(target_gguf: Path, k: int) -> tuple:
+    """(the target alone, the prompt's tokens, the exact two-token distribution of top-k sampling at
+    temperature 1, the spelling of the likeliest second token after the likeliest first one)."""
+    import gguf
+
+    target = dflash_llama.Runtime(target_gguf, n_threads=1, n_ctx=128)
+    prompt = target.tokenize("def fibonacci(n):")
+    exact = exact_two_token_distribution(target, prompt, k, 1.0)
+    t1_mode = max({t1 for t1, _ in exact}, key=lambda t1: sum(q for (a, _), q in exact.items() if a == t1))
+    proposal = max((t2 for a, t2 in exact if a == t1_mode), key=lambda t2: exact[t1_mode, t2])
+    names = gguf.GGUFReader(target_gguf).get_field("tokenizer.ggml.tokens").contents()
+    return target, prompt, exact, names[proposal]
+
+
 def test_sampling_is_lossless(tiny_target_gguf, tmp_path):
     """Temperature 1, top-k 3: the first two tokens of DFlash sampling (one from the prefill, one
     from a verify step where the draft is accepted or rejected) follow the target's exact joint
@@ -199,17 +213,10 @@ def test_sampling_is_lossless(tiny_target_gguf, tmp_path):
     sampled tokens). The same samples reject temperature 0.5, so the test has the power to fail."""
     import collections
 
-    import gguf
-
     k = 3
-    target = dflash_llama.Runtime(tiny_target_gguf, n_threads=1, n_ctx=128)
-    prompt = target.tokenize("def fibonacci(n):")
-    exact = exact_two_token_distribution(target, prompt, k, 1.0)
+    target, prompt, exact, proposal = sampling_setup(tiny_target_gguf, k)
     # the draft always proposes the likeliest second token after the likeliest first one
-    t1_mode = max({t1 for t1, _ in exact}, key=lambda t1: sum(q for (a, _), q in exact.items() if a == t1))
-    proposal = max((t2 for a, t2 in exact if a == t1_mode), key=lambda t2: exact[t1_mode, t2])
-    names = gguf.GGUFReader(tiny_target_gguf).get_field("tokenizer.ggml.tokens").contents()
-    hf = fixtures.constant_draft_hf(tmp_path / "d", tiny_target_gguf, names[proposal],
+    hf = fixtures.constant_draft_hf(tmp_path / "d", tiny_target_gguf, proposal,
                                     fixtures.TinyDraftConfig(block_size=4))
     rt = dflash_llama.Runtime(tiny_target_gguf, convert(hf, tiny_target_gguf, tmp_path / "d.gguf", outtype="f32"),
                               n_threads=1, n_ctx=128)
