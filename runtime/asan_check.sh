@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds llama-dflash-cli with AddressSanitizer (our runtime instrumented, llama.cpp as usual) in
 # build/asan, then runs full generations of the tiny fixture pair: greedy (the adaptive loop and the
-# whole block), sampled, a short draft length, a full context, plain decoding. Then runs the fuzz
+# whole block), sampled, a short draft length, a full context, plain decoding; and of the tiny target
+# with a DFlash 2 draft (f16: codebook rows dequantised on the host): greedy, sampled, a short draft
+# length. Then runs the fuzz
 # corpus under it (parity/fuzz.py): FUZZ_MUTANTS (default 40) mutants each of the draft and the
 # target GGUF, seed FUZZ_SEED (default 0), with no address-space limit (ASan reserves terabytes of
 # it) and a 60 s timeout; failing mutants are kept in build/asan/fuzz-findings,
@@ -27,6 +29,9 @@ w = Path(sys.argv[1])
 t = fixtures.tiny_target_hf(w / "t")
 tg = fixtures.tiny_target_gguf(t, w / "target.gguf")
 convert(fixtures.tiny_draft_hf(w / "d", t), tg, w / "draft.gguf", outtype="f32")
+cfg = fixtures.TinyDraftConfig(variant="dflash2", layers=2, target_layer_ids=[1, 2], conv_kernel_size=3,
+                               selector_top_k=8, layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+convert(fixtures.tiny_draft_hf(w / "d2", t, cfg), tg, w / "dflash2.gguf", outtype="f16")
 PY
 export ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:abort_on_error=0
 cli="$build/llama-dflash-cli"
@@ -37,7 +42,11 @@ run -p "def fibonacci(n):" -n 64 --temp 1.0 --top-k 40 --top-p 0.9 -s 7
 run -p "Once upon a time" -n 64 --block-size 16 --draft-max 3
 run -p "import numpy as np" -n 200 -c 48 -b 16
 run -p "hello" -n 32 --no-draft
-echo "AddressSanitizer: no errors in 6 generations"
+run2() { echo "== llama-dflash-cli (DFlash 2) $*"; "$cli" -m "$work/target.gguf" -md "$work/dflash2.gguf" -t 2 --json "$@" > /dev/null; }
+run2 -p "def fibonacci(n):" -n 64
+run2 -p "def fibonacci(n):" -n 64 --temp 1.0 --top-k 40 -s 7 --draft-max 7 --draft-head target
+run2 -p "import numpy as np" -n 200 -c 48 -b 16 --block-size 16 --draft-max 3
+echo "AddressSanitizer: no errors in 9 generations"
 mutants=${FUZZ_MUTANTS:-40}
 if [ "$mutants" -gt 0 ]; then
   # the campaign's own corpus cache (the same tiny pair), in the ASan build folder

@@ -25,6 +25,7 @@ from test_runtime_robust import refused, rewrite, tensor_data
 
 import dflash_llama
 from dflash_llama import fixtures, schema as S
+from dflash_llama.parity.gguf_edit import copy_gguf
 
 # name -> (draft, outtype): other kernel, group, rank and top-K sizes, a sliding layer, blocks 8 and 16,
 # a tap on the target's last layer, f16 weights (codebooks dequantised on the host)
@@ -198,11 +199,9 @@ def test_sampling_is_lossless(tiny_target_hf, tiny_target_gguf, tmp_path):
     assert p_power < 1e-6, f"the test cannot tell temperature 0.5 from 1 (p = {p_power:.2e})"
 
 
-DFLASH2_KEYS = " / ".join(S.DFLASH2_KEYS)
-
-
 def loader_case(case: str, draft: Path, dst: Path) -> tuple[Path, str]:
-    """A broken DFlash 2 file made from `draft` (k2_g16_sliding) and the message after '<file>: '."""
+    """A broken DFlash 2 file made from `draft` (k2_g16_sliding without its tokenizer) and the message
+    after '<file>: '."""
     if case == "missing tensor":
         return rewrite(draft, dst, drop=("blk.1.ffn_conv_proj.weight",)), "missing tensor 'blk.1.ffn_conv_proj.weight'"
     if case == "group not dividing the hidden size":
@@ -212,11 +211,11 @@ def loader_case(case: str, draft: Path, dst: Path) -> tuple[Path, str]:
         return (rewrite(draft, dst, kv={S.SELECTOR_TOP_K: (0, V.UINT32)}),
                 "dflash.selector_top_k: u32 0, expected an integer in 1..2147483647")
     if case == "a key missing":
-        return copy_without(draft, dst, [S.SELECTOR_RANK]), (
+        return copy_gguf(draft, dst, kv={S.SELECTOR_RANK: None}), (
             f"'{S.SELECTOR_RANK}' missing: a DFlash 2 draft needs {', '.join(S.DFLASH2_KEYS)}")
     if case == "DFlash 2 tensors without the keys":
-        return copy_without(draft, dst, S.DFLASH2_KEYS), (
-            f"tensor 'selector_hidden.weight': a DFlash 2 tensor in a DFlash 1 draft (no {DFLASH2_KEYS})")
+        return copy_gguf(draft, dst, kv=dict.fromkeys(S.DFLASH2_KEYS)), (
+            f"tensor 'selector_hidden.weight': a DFlash 2 tensor in a DFlash 1 draft (no {' / '.join(S.DFLASH2_KEYS)})")
     if case == "f16 taps":
         taps = tensor_data(draft, "blk.0.attn_conv_base").astype(np.float16)
         return (rewrite(draft, dst, tensors={"blk.0.attn_conv_base": taps}),
@@ -225,23 +224,27 @@ def loader_case(case: str, draft: Path, dst: Path) -> tuple[Path, str]:
         book = tensor_data(draft, "selector_successor.weight")[:, :8].copy()
         return (rewrite(draft, dst, tensors={"selector_successor.weight": book}),
                 "tensor 'selector_successor.weight' has ne[0] = 8, expected 16")
+    if case == "codebooks of another vocabulary":
+        books = {name: tensor_data(draft, name)[:1000].copy()
+                 for name in ("selector_predecessor.weight", "selector_successor.weight")}
+        return rewrite(draft, dst, tensors=books), ("the selector's codebooks have 1000 rows, the target's "
+                                                    "vocabulary 49152 tokens: this draft was made for another target")
     raise AssertionError(case)
 
 
-def copy_without(src: Path, dst: Path, keys) -> Path:
-    from dflash_llama.parity.gguf_edit import copy_gguf
-
-    return copy_gguf(src, dst, kv=dict.fromkeys(keys))
-
-
 LOADER_CASES = ["missing tensor", "group not dividing the hidden size", "top-K of 0", "a key missing",
-                "DFlash 2 tensors without the keys", "f16 taps", "codebook of another rank"]
+                "DFlash 2 tensors without the keys", "f16 taps", "codebook of another rank",
+                "codebooks of another vocabulary"]
 
 
 def test_a_broken_dflash2_draft_is_one_line(dflash2_drafts, tiny_target_gguf, tmp_path):
     """Each case: Runtime raises ValueError('<file>: <message>') and llama-dflash-cli prints that one
-    line; a DFlash 2 tensor without the keys is refused in the schema's words."""
-    _, draft = dflash2_drafts["k2_g16_sliding"]
+    line; a DFlash 2 tensor without the keys is refused in the schema's words. (The files are made from
+    the draft without its tokenizer, which the runtime does not need: seconds faster to rewrite.)"""
+    _, full = dflash2_drafts["k2_g16_sliding"]
+    tokenizer = [k for k in GGUFReader(str(full)).fields if k.startswith("tokenizer.") and k != S.MASK_TOKEN_ID]
+    draft = copy_gguf(full, tmp_path / "bare.gguf", kv=dict.fromkeys(tokenizer))
+    dflash_llama.Runtime(tiny_target_gguf, draft, n_threads=1, n_ctx=64)  # the unbroken file loads
     for i, case in enumerate(LOADER_CASES):
         bad, message = loader_case(case, draft, tmp_path / f"bad{i}.gguf")
         refused(f"{bad}: {message}", tiny_target_gguf, bad)
