@@ -19,6 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
+from dflash_llama.argtypes import int_list
 from dflash_llama.cli_args import add_model_args, add_threads_arg, threads
 
 DEFAULT_LIMIT = 3
@@ -41,6 +42,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"tokens generated per prompt in the end-to-end stage, a check kept short "
                         f"(default {DEFAULT_N_PREDICT})")
     p.add_argument("--graph-prompts", type=int, default=2, help="prompts feeding the graph stage (default 2)")
+    p.add_argument("--reference-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the reference target's weights and activations (default float32; bfloat16 halves "
+                        "its memory and loosens nothing: its errors show against the bounds)")
+    p.add_argument("--reference-device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the reference target and its layers run (default cpu; cuda when the "
+                        "installed torch sees a GPU)")
+    p.add_argument("--divergence-lengths", type=lambda t: int_list(t, "--divergence-lengths", 1),
+                   help="generation lengths of the first-divergence table (default: n/2 and n)")
+    p.add_argument("--verify-widths", type=lambda t: int_list(t, "--verify-widths", 1),
+                   help="verify widths (drafted tokens verified per step) of the first-divergence table "
+                        "(default: 1 and B-1 for a block of B)")
     add_threads_arg(p)
     p.add_argument("--out", type=Path, help="output folder (reports/NAME/); with --all the parent of one "
                                             "folder per pair (default reports/parity/)")
@@ -86,7 +98,9 @@ def _config(args, target, draft, draft_hf, target_hf, name):
                         n_predict=args.n_predict, graph_prompts=args.graph_prompts, n_threads=args.threads,
                         native=not args.no_native, end_to_end=not args.no_end_to_end,
                         native_tool=build.tool("llama-speculative-simple") if build else None,
-                        native_build=build.label if build else "pinned")
+                        native_build=build.label if build else "pinned", reference_dtype=args.reference_dtype,
+                        reference_device=args.reference_device, divergence_lengths=args.divergence_lengths,
+                        verify_widths=args.verify_widths)
 
 
 def _native_build(args):

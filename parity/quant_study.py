@@ -32,7 +32,16 @@ def run_study(target: Path, draft_hf: Path, work: Path, prompts: list, n_predict
 
     from . import bounds as B
     from .native import FLASH_ATTN, NativeDraft
-    from .stages import ParityConfig, Progress, head_type, keep_last, load_reference_target, stage_graph, tensor_types
+    from .stages import (
+        ParityConfig,
+        Progress,
+        graph_inputs,
+        head_type,
+        keep_last,
+        load_reference_target,
+        stage_graph,
+        tensor_types,
+    )
 
     torch.set_num_threads(max(1, n_threads))
     work.mkdir(parents=True, exist_ok=True)
@@ -60,7 +69,7 @@ def run_study(target: Path, draft_hf: Path, work: Path, prompts: list, n_predict
             rt = Runtime(target, gguf, n_threads=n_threads, n_ctx=512, kv_f32=True, compact_draft_head=False)
             nd = NativeDraft(rt, gguf, n_ctx=512, n_threads=n_threads) if native else None
             cat = B.file_category(tensor_types(gguf), skip=("token_embd.weight", "output.weight"))
-            graph = stage_graph(cfg, rt, nd, ref_draft, cat, head, progress)
+            graph = stage_graph(cfg, graph_inputs(cfg, rt, nd), ref_draft, cat, head, progress)
             rt_e2e = Runtime(target, gguf, n_threads=n_threads, n_ctx=512)
             taus, native_taus = [], []
             for p in prompts:

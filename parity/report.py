@@ -105,13 +105,26 @@ def markdown(r: dict, png_name: str = "parity.png") -> str:
         for k, t in enumerate(chk["tap_errors"]):
             lines.append(f"| {k} | {t['gguf_id']} | {t['hf_id']} | {_e(t['error'])} |")
         lines.append("")
+    rounding = cap.get("rounding", {})
     lines += [f"Reference: transformers over `{cap['reference_path']}` "
               f"({'HF weights' if cap['reference'] == 'hf' else 'the GGUF, dequantised to f32'}); "
-              f"{cap['n_tokens']} tokens; bound {_e(cap['bound'])} ({cap['target_type']} target).", "",
-              "| target layer | tap | error |", "|---|---|---|"]
+              f"{cap['n_tokens']} tokens ({cap['target_type']} target).", "",
+              "The check is each layer's **own error**: the reference layer reads our runtime's output of the "
+              "layer before, rounds each matmul's input as ggml does (weights: "
+              f"{rounding.get('weights', '-')}), and its output is compared with ours relative to what the layer "
+              f"adds; bound {_e(cap['own_bound'])}"
+              + ("" if rounding.get("covered", True) else
+                 " (the type's bound: not every matrix could be rounded as ggml does: "
+                 + ", ".join(rounding.get("uncovered", [])[:4]) + ")")
+              + f". The compounded error (the reference running freely from layer 0) and its NMSE are reported; "
+              f"it grows with depth (the type's former fixed bound was {_e(cap['bound'])}).", ""]
+    if cap.get("logits"):
+        lines += [_logit_line("Logits of the prompt, runtime vs reference target", cap["logits"]), ""]
+    lines += ["| target layer | tap | own error | compounded error | NMSE |", "|---|---|---|---|---|"]
     for row in cap["layers"]:
-        flag = "" if row["error"] is not None and row["error"] <= cap["bound"] else " **over**"
-        lines.append(f"| {row['layer']} | {'yes' if row['tap'] else ''} | {_e(row['error'])}{flag} |")
+        flag = "" if row["own_error"] is not None and row["own_error"] <= cap["own_bound"] else " **over**"
+        lines.append(f"| {row['layer']} | {'yes' if row['tap'] else ''} | {_e(row['own_error'])}{flag} | "
+                     f"{_e(row['error'])} | {_e(row.get('nmse'))} |")
     lines.append("")
 
     g = st["graph"]
@@ -121,9 +134,11 @@ def markdown(r: dict, png_name: str = "parity.png") -> str:
     else:
         pairs = list(g["errors"])
         lines += [f"Maximum relative error over {len(g['inputs'])} input(s) (context features + block), graph order. "
-                  f"Draft weights {g['draft_type']}, head {g['head_type']}.", "",
-                  "| intermediate | " + " | ".join(pairs) + " | bounds | ok |",
-                  "|---|" + "---|" * len(pairs) + "---|---|"]
+                  f"Draft weights {g['draft_type']}, head {g['head_type']}. NMSE = relative error squared "
+                  "(llama.cpp's conversion check: below 1e-2 passes, below 1e-6 is identical), reference vs runtime.",
+                  "",
+                  "| intermediate | " + " | ".join(pairs) + " | NMSE | bounds | ok |",
+                  "|---|" + "---|" * len(pairs) + "---|---|---|"]
         failing = {(f["name"], f["pair"]) for f in g["failures"]}
         for name in g["names"]:
             cells = []
@@ -132,7 +147,8 @@ def markdown(r: dict, png_name: str = "parity.png") -> str:
                 cells.append(_e(e) + (" **over**" if (name, p) in failing else ""))
             bnd = " / ".join(_e(g["bounds"][p][name]) for p in pairs)
             ok = not any(n == name for n, _ in failing)
-            lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {bnd} | {'yes' if ok else '**no**'} |")
+            nm = _e((g.get("nmse") or {}).get("reference/runtime", {}).get(name))
+            lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {nm} | {bnd} | {'yes' if ok else '**no**'} |")
         lines.append("")
         for impl, names in (g.get("missing") or {}).items():
             lines.append(f"- {impl} lacks: {', '.join(names)}")
@@ -152,15 +168,24 @@ def markdown(r: dict, png_name: str = "parity.png") -> str:
                   "|---|" + "---|" * (2 * len(impls))]
         for row in e["prompts"]:
             taus = [_tau(row.get(m, {}).get("tau")) for m in impls]
-            ex = ["yes" if row.get(m, {}).get("greedy_exact") else "**no**" for m in impls]
+            ex = [_exact(row.get(m, {}).get("greedy_exact", False)) for m in impls]
             lines.append(f"| {row['prompt']} | " + " | ".join(taus) + " | " + " | ".join(ex) + " |")
         lines.append("| **mean** | " + " | ".join(_tau(e["tau"][m]) for m in impls) + " | " +
-                     " | ".join("yes" if e["greedy_exact"][m] else "**no**" for m in impls) + " |")
+                     " | ".join(_exact(e["greedy_exact"].get(m)) for m in impls) + " |")
+        if e.get("reference_mode") == "replay":
+            same_ref = [row["reference"].get("same_tokens_as_runtime") for row in e["prompts"]]
+            lines += ["", f"The reference was replayed, not run (a layer-streamed target): its own next token equals "
+                          f"our runtime's greedy token at every generated position on {sum(same_ref)} of "
+                          f"{len(same_ref)} prompts; its tau accepts its draft's blocks against those tokens."]
         same = [row["native"].get("same_text_as_runtime") for row in e["prompts"]
                 if "same_text_as_runtime" in row.get("native", {})]
         if same:
             lines += ["", f"llama.cpp's text equals our runtime's autoregressive text on {sum(same)} of {len(same)} "
                           "prompts (it need not: docs/upstream_status.md, U6)."]
+        if e.get("verify_logits"):
+            lines += ["", _logit_line("Verify logits (generated positions, every prompt), runtime vs reference target",
+                                      e["verify_logits"])]
+        lines += _divergence_table(e)
         lines += ["", "Drafted-token agreement (the three drafts on identical replayed inputs):", ""]
         for pair, frac in e["draft_agreement"].items():
             lines.append(f"- {pair}: {frac:.1%}" if frac is not None else f"- {pair}: -")
@@ -170,8 +195,56 @@ def markdown(r: dict, png_name: str = "parity.png") -> str:
         for note in e.get("notes", []):
             lines.append(f"- {note}")
         lines.append("")
+    lines += _resources(r)
     lines += ["Bounds and method: docs/parity.md.", ""]
     return "\n".join(lines)
+
+
+def _exact(x) -> str:
+    return "yes" if x else "replayed" if x is None else "**no**"
+
+
+def _logit_line(what: str, m: dict) -> str:
+    return (f"{what}: KL divergence mean {_e(m['kl_mean'])}, 99th percentile {_e(m['kl_p99'])}, max "
+            f"{_e(m['kl_max'])}; same top token at {m['same_top1']:.1%} of {m['n']} positions.")
+
+
+def _divergence_table(e: dict) -> list[str]:
+    """First divergence from plain decoding per implementation, verify width and length."""
+    rows = e.get("divergence") or []
+    if not rows:
+        return []
+    lengths = sorted({d["length"] for d in rows})
+    lines = ["", "First divergence from plain greedy decoding (none: identical), over the prompts: our runtime "
+             "in tokens, llama.cpp in characters of its text against its own plain run.", "",
+             "| implementation | verify width | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+             "|---|---|" + "---|" * len(lengths)]
+    for impl in ("runtime", "native"):
+        for width in sorted({d["width"] for d in rows if d["impl"] == impl}):
+            cells = []
+            for n in lengths:
+                got = [d for d in rows if (d["impl"], d["width"], d["length"]) == (impl, width, n)]
+                hits = [d["first_divergence"] for d in got if d["first_divergence"] is not None]
+                failed = [d for d in got if d.get("error")]
+                cells.append("failed" if failed else "none" if not hits else f"**{min(hits)}**")
+            lines.append(f"| {impl} | {width} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _resources(r: dict) -> list[str]:
+    res = r.get("resources")
+    if not res:
+        return []
+    gib = lambda b: "-" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
+    lines = ["## Time and memory", "",
+             "Peak resident memory of this process per phase (reset at each phase's start), and of the "
+             "llama.cpp tools it ran.", "", "| phase | wall time | peak RSS | tools' peak RSS |", "|---|---|---|---|"]
+    for p in res["phases"]:
+        lines.append(f"| {p['phase']} | {p['seconds']:.1f} s | {gib(p['peak_rss_bytes'])} | "
+                     f"{gib(p.get('children_peak_rss_bytes'))} |")
+    lines += [f"| **all** | {res['seconds']:.1f} s | {gib(res['peak_rss_bytes'])} | "
+              f"{gib(res.get('children_peak_rss_bytes'))} |", ""]
+    return lines
 
 
 def _tau(x) -> str:
@@ -238,6 +311,10 @@ def plot(r: dict, path: str | Path) -> None:
         ax2.plot([t["layer"] for t in taps], [max(t["error"] or FLOOR, FLOOR) for t in taps], "D", ms=7,
                  mfc="none", color="tab:purple", label="draft taps")
         ax2.axhline(cap["bound"], ls="--", lw=0.8, color="tab:purple", alpha=0.6)
+        if "own_bound" in cap:
+            own = [max(row["own_error"] if row["own_error"] is not None else math.nan, FLOOR) for row in layers]
+            ax2.plot(lx, own, marker="s", ms=3, color="tab:red", label="own error of the layer (the check)")
+            ax2.axhline(cap["own_bound"], ls="--", lw=0.8, color="tab:red", alpha=0.6)
         ax2.set_yscale("log")
         ax2.set_xticks(lx if len(lx) <= 40 else lx[::2])
         ax2.set_xlabel("target layer (Hugging Face id: hidden_states[id + 1])")

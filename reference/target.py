@@ -24,6 +24,7 @@ is then about one layer and the head at the reference dtype, plus activations.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import os
@@ -66,10 +67,7 @@ class Target:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"target {path} does not exist")
-        if device not in DEVICES:
-            raise ValueError(f"reference device {device!r}: choose one of {', '.join(DEVICES)}")
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("reference device cuda: the installed torch sees no CUDA GPU")
+        check_device(device)
         try:
             weights = StreamedWeights.open(path, dtype, device, streamed, progress)
         except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
@@ -139,6 +137,19 @@ class Target:
         """A streamed target's token embedding, rows read on demand (None: `embed_tokens` is whole)."""
         return None if self.weights is None else self.weights.embedding
 
+    @torch.inference_mode()
+    def embed(self, ids):
+        """The embedding module's output for token ids (what layer 0 reads): NumPy float32 [n, H]."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1).to(self.device)
+        return self.model.get_input_embeddings()(ids)[0].float().cpu().numpy()
+
+    @torch.inference_mode()
+    def final_norm(self, hidden):
+        """The output norm applied to hidden states [n, H] (what hidden_states reports for the last layer)."""
+        norm = self.model.get_decoder().norm
+        h = torch.as_tensor(hidden).to(self.device, norm.weight.dtype)
+        return norm(h).float().cpu().numpy()
+
     @property
     def lm_head(self) -> torch.Tensor:
         """[vocab, hidden]; the embedding table itself when tied."""
@@ -189,6 +200,18 @@ class Target:
         if length > start:
             self.forward(ids[:length - start], start, cache)
 
+    @contextlib.contextmanager
+    def rounding_as_ggml(self, gguf_types: dict[str, str], requantise: bool):
+        """Within: every linear layer whose weight is a GGUF matrix rounds its input as ggml-cpu's
+        matmul of that type does (to the type's vec_dot_type: q8_0, q8_1, q8_K, f16, bf16), and with
+        `requantise` (the weights are not the GGUF's own: --target-hf) every such weight is rounded
+        to its GGUF type as gguf-py quantises it. Yields a GgmlRounding saying what was covered."""
+        rounding = GgmlRounding(self, gguf_types, requantise)
+        try:
+            yield rounding
+        finally:
+            rounding.remove()
+
     @staticmethod
     def _is_recurrent(cache) -> bool:
         from transformers.cache_utils import LinearAttentionCacheLayerMixin
@@ -198,11 +221,13 @@ class Target:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor | list[int], start: int, cache,
                 feature_layers: list[int] | None = None, logits_to_keep: int = 0,
-                trace: dict | None = None) -> TargetOutput:
+                trace: dict | None = None, layer_inputs: dict | None = None) -> TargetOutput:
         """Run ids at positions start.. with the cache (which must hold exactly start tokens).
 
         feature_layers: target layer ids whose outputs make the draft features; trace: stores
-        `target_feat-L` ([n, H], the output of target layer L) for each of them.
+        `target_feat-L` ([n, H], the output of target layer L) for each of them; layer_inputs:
+        {layer id: [n, H]} hidden states that layer reads instead of the previous layer's output
+        (each layer's own error, given another implementation's input: parity's local errors).
         """
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1).to(self.device)
         if cache.get_seq_length() != start:
@@ -212,10 +237,16 @@ class Target:
             cache._before_last_forward = (copy.deepcopy(cache.layers), start, ids[0].tolist())
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
         want = bool(feature_layers)
-        with self.weights.pass_over(ids.shape[1]) if self.weights is not None else _nothing():
-            out = self.model(input_ids=ids, position_ids=positions, use_cache=True,
-                             output_hidden_states=want, logits_to_keep=logits_to_keep,
-                             **{self._cache_arg: cache})
+        hooks = [self.model.get_decoder().layers[i].register_forward_pre_hook(_replace_input(h))
+                 for i, h in (layer_inputs or {}).items()]
+        try:
+            with self.weights.pass_over(ids.shape[1]) if self.weights is not None else _nothing():
+                out = self.model(input_ids=ids, position_ids=positions, use_cache=True,
+                                 output_hidden_states=want, logits_to_keep=logits_to_keep,
+                                 **{self._cache_arg: cache})
+        finally:
+            for h in hooks:
+                h.remove()
         features = None
         if want:
             taps = [out.hidden_states[i + 1][0].cpu() for i in feature_layers]
@@ -233,6 +264,23 @@ def _gguf_overrides(path: Path) -> dict:
 
     key_length = gguf_info(path).get("attention.key_length")
     return {} if key_length is None else {"head_dim": int(key_length)}
+
+
+def check_device(device: str) -> None:
+    """ValueError unless the reference can run on `device` here."""
+    if device not in DEVICES:
+        raise ValueError(f"reference device {device!r}: choose one of {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("reference device cuda: the installed torch sees no CUDA GPU")
+
+
+def _replace_input(hidden: torch.Tensor):
+    """A forward pre-hook giving a decoder layer `hidden` ([n, H]) as its input hidden states."""
+    def hook(module, args):
+        x = args[0]
+        h = torch.as_tensor(hidden).to(x.device, x.dtype).reshape(x.shape)
+        return (h, *args[1:])
+    return hook
 
 
 class _nothing:
@@ -346,6 +394,34 @@ class _HFSource:
             return torch.cat([table[i:i + 1] for i in ids.tolist()]).float()
 
 
+class _GGUFRows:
+    """Rows of a GGUF's 2-D tensors, dequantised by gguf-py."""
+
+    def __init__(self, info):
+        self.info = info
+
+    def rows(self, key: str, ids: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.info.read(key, rows=ids.tolist()))
+
+
+def gguf_vocab_tables(path: str | os.PathLike, lazy: bool) -> tuple[torch.Tensor, torch.Tensor, EmbeddingRows | None]:
+    """A GGUF target's token embedding and output head for a draft (its embedding of the block and
+    its logits), dequantised to float32 by gguf-py: the head whole; the embedding whole too, or
+    with `lazy` an unread table whose rows EmbeddingRows.fill reads (when the head is not tied to it)."""
+    from dflash_llama import gguf_info
+
+    info = gguf_info(path)
+    names = {t.name for t in info.tensors}
+    if "output.weight" not in names or not lazy:
+        embed = torch.from_numpy(info.read("token_embd.weight"))
+        head = torch.from_numpy(info.read("output.weight")) if "output.weight" in names else embed
+        return embed, head, None
+    head = torch.from_numpy(info.read("output.weight"))
+    shape = (head.shape[0], info.tensor("token_embd.weight").shape[0])
+    rows = EmbeddingRows(_GGUFRows(info), "token_embd.weight", shape, torch.float32, "cpu")
+    return rows.table, head, rows
+
+
 # ---------------------------------------------------------------- the model, filled by groups
 
 class EmbeddingRows:
@@ -356,6 +432,12 @@ class EmbeddingRows:
         self.source, self.key = source, key
         self.table = torch.empty(shape, dtype=dtype, device=device)
         self.filled = torch.zeros(shape[0], dtype=torch.bool)
+        self._transform = None
+
+    def transform(self, fn) -> None:
+        """Rows pass through `fn` when read (None: as the file holds them); rows read before are read again."""
+        self._transform = fn
+        self.filled[:] = False
 
     def fill(self, ids) -> None:
         """Read the rows of token ids `ids` not read yet."""
@@ -366,6 +448,8 @@ class EmbeddingRows:
         missing = missing[~self.filled[missing]]
         if missing.numel():
             rows = self.source.rows(self.key, missing)
+            if self._transform is not None:
+                rows = self._transform(rows)
             self.table[missing.to(self.table.device)] = rows.to(self.table.device, self.table.dtype)
             self.filled[missing] = True
 
@@ -391,6 +475,7 @@ class StreamedWeights:
             group = int(m.group(1)) if m else "embed" if k == source.EMBED else "head" if k == source.HEAD else "rest"
             self.groups.setdefault(group, []).append(k)
         self.embedding: EmbeddingRows | None = None
+        self.on_fill = None  # called with a streamed layer once its weights are in (GgmlRounding)
         self._bar = None
         self._fill(self.groups.get("rest", []), "the final norm and other tensors")
         tied = source.HEAD is None
@@ -476,6 +561,8 @@ class StreamedWeights:
     def _before_layer(self, i: int):
         def hook(module, args, kwargs=None):
             self._fill(self.groups.get(i, []), f"layer {i}", module)
+            if self.on_fill is not None:
+                self.on_fill(module)
         return hook
 
     def _after_layer(self, i: int):
@@ -512,3 +599,141 @@ class StreamedWeights:
                 return False
 
         return _Pass()
+
+
+# ---------------------------------------------------------------- ggml-cpu's roundings, emulated
+
+# ggml-cpu's matmul converts its activations to the weight type's vec_dot_type first (type_traits_cpu
+# in ggml-cpu.c); the weight types of a GGUF's matrices and theirs
+VEC_DOT_TYPES = {"f32": None, "f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0",
+                 "iq4_nl": "q8_0", "q4_1": "q8_1", "q5_1": "q8_1", "q2_k": "q8_k", "q3_k": "q8_k",
+                 "q4_k": "q8_k", "q5_k": "q8_k", "q6_k": "q8_k", "iq4_xs": "q8_k"}
+
+
+def round_as_ggml(x: torch.Tensor, vec_dot_type: str | None) -> torch.Tensor:
+    """`x` (rows along its last dimension) as ggml-cpu's x86 quantize_row_<vec_dot_type> stores it,
+    dequantised: q8_0 / q8_1 blocks of 32 with d = amax / 127 kept as f16 and q = round(x * 127 / amax)
+    (half to even), q8_K blocks of 256 with d = max / -127 kept as f32 (the element of largest
+    magnitude, with its sign), f16 and bf16 rounded to nearest even."""
+    if vec_dot_type is None:
+        return x
+    if vec_dot_type in ("f16", "bf16"):
+        return x.to(torch.float16 if vec_dot_type == "f16" else torch.bfloat16).to(x.dtype)
+    block = 256 if vec_dot_type == "q8_k" else 32
+    if x.shape[-1] % block:
+        return x
+    shape, dtype = x.shape, x.dtype
+    v = x.float().reshape(-1, block)
+    amax = v.abs().amax(-1, keepdim=True)
+    live = amax > 0
+    if vec_dot_type == "q8_k":
+        big = torch.gather(v, -1, v.abs().argmax(-1, keepdim=True))  # the first element of largest magnitude
+        iscale = torch.where(live, -127.0 / big, torch.zeros_like(big))
+        q = torch.clamp(torch.round(v * iscale), max=127)
+        d = torch.where(live, 1.0 / iscale, torch.zeros_like(iscale))
+    else:
+        q = torch.round(v * torch.where(live, 127.0 / amax, torch.zeros_like(amax)))
+        d = (amax / 127.0).half().float()
+    return (q * d).reshape(shape).to(dtype)
+
+
+def requantised(w: torch.Tensor, ggml_type: str) -> torch.Tensor | None:
+    """`w` rounded to `ggml_type` as gguf-py quantises it (the values a GGUF of that type holds),
+    None for a type gguf-py cannot quantise (the k-quants)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    if ggml_type.lower() == "f32":
+        return w
+    try:
+        qtype = gguf.GGMLQuantizationType[ggml_type.upper()]
+        data = np.ascontiguousarray(w.detach().float().cpu().numpy())
+        back = dequantize(quantize(data, qtype), qtype).reshape(data.shape)
+    except (KeyError, NotImplementedError, gguf.quants.QuantError):
+        return None
+    return torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32)).to(w.device, w.dtype)
+
+
+class GgmlRounding:
+    """Hooks that make a Target's linear layers round as ggml-cpu's matmuls do (Target.rounding_as_ggml).
+
+    covered: every GGUF matrix with a linear layer of this model is emulated exactly (its inputs
+    rounded, its weights the GGUF's values); otherwise `uncovered` names what is not (fused
+    experts, types gguf-py cannot quantise, architectures gguf-py cannot name)."""
+
+    def __init__(self, target: Target, gguf_types: dict[str, str], requantise: bool):
+        from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+        self.target, self.requantise = target, requantise
+        self.uncovered: list[str] = []
+        self._hooks, self._saved = [], {}
+        try:
+            names = get_gguf_hf_weights_map(target.model, TensorProcessor())
+        except (NotImplementedError, ValueError) as e:
+            names = {}
+            self.uncovered.append(f"every matrix ({e.args[0].split('.')[0]})")
+        self.types: dict[str, str] = {}  # parameter name -> GGUF type
+        for gguf_name, ggml_type in gguf_types.items():
+            ggml_type = ggml_type.lower()
+            if VEC_DOT_TYPES.get(ggml_type, "?") is None:
+                continue  # f32: nothing to round
+            param = names.get(gguf_name)
+            if param is None or not param.endswith(".weight"):
+                if not gguf_name.endswith("norm.weight") and names:
+                    self.uncovered.append(gguf_name)
+                continue
+            self.types[param] = ggml_type
+        modules = dict(target.model.named_modules())
+        for param, ggml_type in self.types.items():
+            module = modules.get(param[:-len(".weight")])
+            if ggml_type not in VEC_DOT_TYPES:
+                self.uncovered.append(f"{param} ({ggml_type})")
+            elif isinstance(module, torch.nn.Linear):
+                self._hooks.append(module.register_forward_pre_hook(self._round_input(VEC_DOT_TYPES[ggml_type])))
+        self.covered = not self.uncovered
+        weights = target.weights
+        if requantise:
+            embedding = target.embedding
+            for name, p in target.model.named_parameters(remove_duplicate=False):
+                if name not in self.types or p.device.type == "meta":
+                    continue
+                if embedding is not None and p.data_ptr() == embedding.table.data_ptr():  # rows rounded when read
+                    embedding.transform(lambda rows, t=self.types[name]: requantised(rows, t))
+                else:
+                    self._requantise(name, p, save=True)
+            if weights is not None and not weights.keep:
+                weights.on_fill = self._requantise_layer
+
+    @staticmethod
+    def _round_input(vec_dot_type: str):
+        def hook(module, args):
+            return (round_as_ggml(args[0], vec_dot_type), *args[1:])
+        return hook
+
+    def _requantise(self, name: str, p: torch.nn.Parameter, save: bool) -> None:
+        new = requantised(p.data, self.types[name])
+        if new is None:
+            if name not in self.uncovered:
+                self.uncovered.append(f"{name} ({self.types[name]}: gguf-py cannot quantise it)")
+                self.covered = False
+            return
+        if save and id(p) not in self._saved:
+            self._saved[id(p)] = (p, p.data)
+        p.data = new
+
+    def _requantise_layer(self, layer) -> None:
+        prefix = {id(m): n for n, m in self.target.model.named_modules()}[id(layer)]
+        for name, p in layer.named_parameters(prefix=prefix):
+            if name in self.types:
+                self._requantise(name, p, save=False)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        for p, data in self._saved.values():
+            p.data = data
+        if self.target.weights is not None:
+            self.target.weights.on_fill = None
+        if self.requantise and self.target.embedding is not None:
+            self.target.embedding.transform(None)

@@ -135,7 +135,8 @@ def test_first_divergence_order_and_messages():
     graph = {"names": names, "errors": errors, "bounds": bounds, "missing": {},
              "failures": [{"name": "ffn_out-0", "pair": "reference/runtime", "error": 0.5, "bound": 1e-4}]}
     bad_q = {"name": "blk.0.attn_q.weight", "passed": False, "error": 0.3, "requant_error": 0.3, "bound": 1e-7}
-    ok_cap = {"bound": 1e-4, "layers": [{"layer": 0, "error": 1e-6}], "layer_check": {"status": "pass"}}
+    ok_cap = {"bound": 1e-4, "own_bound": 1e-4, "layers": [{"layer": 0, "error": 1e-3, "own_error": 1e-6}],
+              "layer_check": {"status": "pass"}}  # a compounded error over the old bound is not a failure
     report = {"stages": {"capture": ok_cap, "converter": {"tensors": [bad_q]}, "graph": graph, "end_to_end": {}}}
     fd = first_divergence(report)  # Qcur-0 (the reader of attn_q) comes before ffn_out-0
     assert (fd["stage"], fd["name"], fd["tensor"]) == ("converter", "Qcur-0", "blk.0.attn_q.weight")
@@ -143,12 +144,15 @@ def test_first_divergence_order_and_messages():
     fd = first_divergence(report)
     assert fd["name"] == "ffn_out-0" and fd["message"].startswith(
         "ffn_out-0 (draft layer 0): reference/runtime relative error 5.0e-01 > bound 1.0e-04")
-    report["stages"]["capture"]["layers"][0]["error"] = 1.0
-    assert first_divergence(report)["name"] == "target_feat-0"
+    report["stages"]["capture"]["layers"][0]["own_error"] = 1.0
+    fd = first_divergence(report)
+    assert fd["name"] == "target_feat-0" and fd["message"] == (
+        "target_feat-0: target layer 0's own error (reading our runtime's input, relative to what the layer adds) "
+        "1.0e+00 > bound 1.0e-04; compounded from layer 0: 1.0e-03")
     e2e = {"greedy_exact": {"runtime": True, "native": False},
            "prompts": [{"prompt": "p0", "runtime": {"greedy_exact": True},
                         "native": {"greedy_exact": False, "error": "exited with code -6:\nGGML_ASSERT(x) failed"}}]}
-    clean = {"stages": {"capture": {"bound": 1, "layers": [], "layer_check": {"status": "pass"}},
+    clean = {"stages": {"capture": {"bound": 1, "own_bound": 1, "layers": [], "layer_check": {"status": "pass"}},
                         "converter": {"tensors": []}, "graph": {"names": names, "failures": [], "errors": {},
                                                                  "bounds": {}, "missing": {}},
                         "end_to_end": e2e}}
