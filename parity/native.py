@@ -49,6 +49,11 @@ class NativeDraft:
     def causal(self) -> bool:
         return self._draft.causal
 
+    @property
+    def selector_top_k(self) -> int:
+        """dflash.selector.top_k: > 0 for a DFlash 2 draft, whose trace holds `dflash2_lattice`."""
+        return self._draft.selector_top_k
+
     def trace(self, features: np.ndarray, block: Sequence[int]) -> dict[str, np.ndarray]:
         """Every named intermediate for context `features` ([n, n_taps * n_embd], positions 0..)
         and `block` at positions n..; `fc_out` comes from llama.cpp's encoder graph."""

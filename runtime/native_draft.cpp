@@ -21,6 +21,9 @@ namespace {
 const char * const kTracedNames[] = {
     "fc_out", "inp_g_embeddings", "Kcur_injected", "Vcur_injected", "inp_noise_embd", "noise_norm",
     "Qcur", "Kcur", "Vcur", "ffn_inp", "ffn_norm", "ffn_out", "l_out", "result_norm", "result_output",
+    // DFlash 2: the convolutions' sides (their dynamic taps are not named in llama.cpp's graph; the
+    // selector's lattice is read as the loop reads it, see read_lattice)
+    "attn_conv_in", "attn_conv_out", "ffn_conv_in", "ffn_conv_out",
 };
 
 // "Qcur-3" -> "Qcur"; names without a numeric suffix unchanged
@@ -81,6 +84,10 @@ traced_tensor read_tensor(const ggml_tensor * t) {
     return out;
 }
 
+// DFlash 2's packed selector lattice, [n_embd, B]: row 0 zeros; row p: K candidate ids (as floats), then
+// K x K scores (index pred * K + cand)
+const char * const kLattice = "dflash2_lattice";
+
 struct batch_guard {
     llama_batch_ext * b;
     ~batch_guard() { llama_batch_ext_free(b); }
@@ -129,6 +136,7 @@ native_draft::native_draft(const native_draft_params & params, target_runner & t
     if (llama_model_meta_val_str(model_, "dflash.attention.causal", buf, sizeof(buf)) >= 0) {
         causal_ = std::strcmp(buf, "true") == 0;
     }
+    selector_top_k_ = std::max(0, llama_model_dflash_selector_top_k(model_));  // > 0: a DFlash 2 draft
     n_embd_in_ = (int32_t) target_layers_.size() * target.n_embd();
 
     llama_context_params cparams = llama_context_default_params();
@@ -156,6 +164,10 @@ native_draft::native_draft(const native_draft_params & params, target_runner & t
                                  (why.empty() ? std::string() : " (" + why + ")"));
     }
     llama_set_causal_attn(ctx_, causal_);  // as draft-dflash does: non-causal unless the GGUF says causal
+    if (selector_top_k_ > 0) {
+        // as draft-dflash does for DFlash 2: the lattice comes back as nextn rows, one per block token
+        llama_set_embeddings_nextn(ctx_, true, /*masked*/ false);
+    }
     n_ctx_    = std::min((int32_t) llama_n_ctx(ctx_), params.n_ctx);
     n_ubatch_ = (int32_t) llama_n_ubatch(ctx_);
 }
@@ -163,6 +175,18 @@ native_draft::native_draft(const native_draft_params & params, target_runner & t
 native_draft::~native_draft() {
     if (ctx_)   llama_free(ctx_);
     if (model_) llama_model_free(model_);
+}
+
+traced_tensor native_draft::read_lattice(int32_t n_block) const {
+    const float * rows = llama_get_embeddings_nextn(ctx_);
+    if (rows == nullptr) {
+        throw std::runtime_error("native draft: the DFlash 2 selector produced no lattice");
+    }
+    const int32_t n_embd = llama_model_n_embd(model_);
+    traced_tensor out;
+    out.shape = { n_embd, n_block };
+    out.data.assign(rows, rows + (size_t) n_embd * n_block);
+    return out;
 }
 
 bool native_draft::on_eval(ggml_tensor * t, bool ask, void * user_data) {
@@ -243,7 +267,8 @@ draft_trace native_draft::trace(const std::vector<float> & features, int32_t n_c
         // 1. inject: the decoder graph on an embd batch writes the context K/V into the cache
         add_features(false);
         run(LLAMA_PROCESS_TYPE_DECODE, "feature injection");
-        // 2. the block, logits on every position (draft-dflash reads positions 1..)
+        // 2. the block, logits on every position (draft-dflash reads positions 1..); DFlash 2 asks for
+        //    no logits (draft-dflash walks the lattice, read from the nextn rows)
         llama_batch_ext_clear(batch.b);
         for (int32_t i = 0; i < n_block; ++i) {
             const int32_t idx = llama_batch_ext_add_token(batch.b, 0, block[i]);
@@ -252,9 +277,12 @@ draft_trace native_draft::trace(const std::vector<float> & features, int32_t n_c
             }
             const llama_pos pos[4] = { n_ctx_tokens + i, 0, 0, 0 };
             llama_batch_ext_set_pos(batch.b, idx, pos);
-            llama_batch_ext_set_output_logits(batch.b, idx, true);
+            llama_batch_ext_set_output_logits(batch.b, idx, selector_top_k_ == 0);
         }
         run(LLAMA_PROCESS_TYPE_DECODE, "block");
+        if (selector_top_k_ > 0) {
+            out[kLattice] = read_lattice(n_block);
+        }
     } catch (...) {
         recording_ = nullptr;
         encoding_  = false;

@@ -6,7 +6,9 @@
 //   1. an embd batch of target features at positions 0..n-1: the decoder graph's fused path
 //      (fc, hidden_norm, per layer K/V written into llama.cpp's KV cache);
 //   2. a token batch of the block at positions n..n+B-1 with logits on, under the attention mode
-//      `draft-dflash` sets (llama_set_causal_attn(ctx, dflash.attention.causal), default off).
+//      `draft-dflash` sets (llama_set_causal_attn(ctx, dflash.attention.causal), default off); for a
+//      DFlash 2 draft (dflash.selector.top_k > 0) with logits off and nextn embeddings unmasked, the
+//      selector's packed lattice read back with llama_get_embeddings_nextn as `dflash2_lattice`.
 //
 // Every tensor of the shared vocabulary is read through the context's eval callback. The decoder
 // graph has no `fc_out` (it names only the normed `inp_g_embeddings`); `fc_out` is read from one
@@ -48,10 +50,12 @@ public:
     int32_t mask_token_id() const { return mask_token_id_; }
     int32_t block_size()    const { return block_size_; }
     bool    causal()        const { return causal_; }
+    int32_t selector_top_k() const { return selector_top_k_; }  // 0: DFlash 1
     int32_t n_ctx()         const { return n_ctx_; }
 
 private:
     static bool on_eval(struct ggml_tensor * t, bool ask, void * user_data);
+    traced_tensor read_lattice(int32_t n_block) const;
 
     target_runner &      target_;
     llama_model *        model_ = nullptr;
@@ -60,6 +64,7 @@ private:
     int32_t              mask_token_id_ = -1;
     int32_t              block_size_    = 16;
     bool                 causal_        = false;
+    int32_t              selector_top_k_ = 0;
     int32_t              n_ctx_ = 0, n_ubatch_ = 0, n_embd_in_ = 0;
 
     draft_trace *        recording_ = nullptr;  // where on_eval stores tensors; null: record nothing
