@@ -31,6 +31,9 @@ FINAL_NAMES = ("result_norm", "result_output")
 # candidates and the scores into one tensor, `dflash2_lattice`
 SELECTOR_NAMES = ("selector_unary", "selector_candidates", "selector_gate", "selector_scores", "selector_path")
 LLAMA_LATTICE = "dflash2_lattice"
+# intermediates llama.cpp's graph computes without naming them (the convolutions' dynamic taps): the
+# native peer cannot trace them, so they are compared between the reference and our runtime only
+UNNAMED_IN_LLAMA = ("attn_conv_dyn", "ffn_conv_dyn")
 
 # which GGUF tensor each intermediate reads first (a weight fault shows there first)
 FIRST_READER = {
@@ -73,6 +76,11 @@ def graph_order(n_layers: int, variant: L.Variant = L.DFLASH1) -> list[str]:
     return names + list(FINAL_NAMES)
 
 
+def unnamed_in_llama(name: str) -> bool:
+    """Whether llama.cpp's graph computes `name` without naming it (`attn_conv_dyn-0`: yes)."""
+    return name.rpartition("-")[0] in UNNAMED_IN_LLAMA
+
+
 def layer_of(name: str) -> int | None:
     """Draft layer of an intermediate (`Qcur-3` -> 3), None for the layer-less ones."""
     head, _, tail = name.rpartition("-")
@@ -111,13 +119,15 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def reference_trace(draft, features: np.ndarray, block: Sequence[int]) -> dict[str, np.ndarray]:
-    """The PyTorch reference draft's intermediates on the same inputs (context at positions 0..)."""
+    """The PyTorch reference draft's intermediates on the same inputs (context at positions 0..);
+    a DFlash 2 draft's greedy selector walk too (`SELECTOR_NAMES`)."""
     import torch
 
     trace: dict = {}
+    run = draft.propose if draft.candidate_selector is not None else draft
     with torch.no_grad():
-        draft(torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32)), list(block),
-              start=features.shape[0], cache=None, trace=trace)
+        run(torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32)), list(block),
+            start=features.shape[0], cache=None, trace=trace)
     return {k: v.float().numpy() for k, v in trace.items()}
 
 
@@ -132,7 +142,7 @@ class GraphComparison:
     def add(self, traces: dict[str, dict[str, np.ndarray]]) -> None:
         """Fold in one set of traces (implementation -> name -> array), keeping the max error."""
         for impl, trace in traces.items():
-            lacking = [n for n in self.names if n not in trace]
+            lacking = [n for n in self.names if n not in trace and not (impl == "native" and unnamed_in_llama(n))]
             if lacking:
                 self.missing[impl] = sorted(set(self.missing.get(impl, [])) | set(lacking),
                                             key=self.names.index)
@@ -210,6 +220,16 @@ def compare_lattices(a: Lattice, b: Lattice) -> dict:
     vb = np.array([b[k] for k in common])
     return {"error": rel_err(va, vb) if common else float("inf"), "entries": len(common),
             "only_a": len(set(a) - set(b)), "only_b": len(set(b) - set(a))}
+
+
+def compare_selectors(traces: dict[str, dict[str, np.ndarray]], anchor: int, top_k: int) -> dict[str, dict]:
+    """Every pair's lattices compared (`compare_lattices`) and whether their drafted tokens (the
+    walked paths) are equal; pair "a/b" -> {"error", "entries", "only_a", "only_b", "same_path"}."""
+    lattices = {impl: lattice(t, anchor, top_k) for impl, t in traces.items()}
+    paths = {impl: drafted_tokens(t, 0, top_k) for impl, t in traces.items()}
+    return {f"{a}/{b}": {**compare_lattices(lattices[a], lattices[b]), "same_path": paths[a] == paths[b],
+                         "path_a": paths[a], "path_b": paths[b]}
+            for a, b in PAIRS if a in traces and b in traces}
 
 
 def walk_llama_lattice(packed: np.ndarray, k: int) -> list[int]:

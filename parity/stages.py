@@ -31,7 +31,18 @@ from dflash_llama.paths import display_path
 from dflash_llama.results import first_mismatch
 
 from . import bounds as B
-from .graph import PAIRS, GraphComparison, drafted_tokens, first_reader, graph_order, layer_of, reference_trace, rel_err
+from .graph import (
+    PAIRS,
+    GraphComparison,
+    compare_selectors,
+    drafted_tokens,
+    first_reader,
+    graph_order,
+    layer_of,
+    reference_trace,
+    rel_err,
+    unnamed_in_llama,
+)
 
 SCHEMA_VERSION = 1
 DEFAULT_PROMPTS = "humaneval"
@@ -313,7 +324,8 @@ def gather_runtime(cfg: ParityConfig, n_ctx: int, progress) -> RuntimeSide:
             feats, blk = replay["features"][:step["start"]], step["block"]
             step["drafted"] = {"runtime": drafted_tokens(rt.trace_draft(feats, blk), rt.n_vocab)}
             if native is not None:
-                step["drafted"]["native"] = drafted_tokens(native.trace(feats, blk), rt.n_vocab)
+                step["drafted"]["native"] = drafted_tokens(native.trace(feats, blk), rt.n_vocab,
+                                                           native.selector_top_k)
     del native, rt
     gc.collect()
     return side
@@ -528,9 +540,10 @@ def stage_graph(cfg: ParityConfig, inputs_: list[dict], ref_draft, draft_cat: st
     """Every named intermediate of the reference draft against those our runtime and llama.cpp
     computed on the same features and block. fill_rows(ids): reads the target embedding's rows
     the reference draft needs (a lazily read table)."""
-    names = graph_order(ref_draft.config.n_layer)
+    variant, top_k = ref_draft.config.variant, ref_draft.config.selector_top_k
+    names = graph_order(ref_draft.config.n_layer, variant)
     comparison = GraphComparison(names)
-    inputs = []
+    inputs, selectors = [], []
     native = False
     for item in inputs_:
         if fill_rows is not None:
@@ -539,6 +552,8 @@ def stage_graph(cfg: ParityConfig, inputs_: list[dict], ref_draft, draft_cat: st
         native = native or "native" in traces
         comparison.add(traces)
         inputs.append({"prompt": item["prompt"], "n_context": item["n_context"], "block": item["block"]})
+        if variant.has(L.SELECTOR):
+            selectors.append({"prompt": item["prompt"], **compare_selectors(traces, item["block"][0], top_k)})
         progress.step("graph (reference)")
     bounds = graph_bounds(names, draft_cat, head_cat)
     failures = []
@@ -547,6 +562,7 @@ def stage_graph(cfg: ParityConfig, inputs_: list[dict], ref_draft, draft_cat: st
             if name in errs and errs[name] > bounds[pair][name]:
                 failures.append({"name": name, "pair": pair, "error": errs[name], "bound": bounds[pair][name]})
     missing = {k: v for k, v in comparison.missing.items() if v}
+    selector = selector_summary(selectors, bounds) if variant.has(L.SELECTOR) else None
     notes = []
     if native:
         notes.append("native fc_out is read from llama.cpp's DFlash encoder graph (llama_process ENCODE); "
@@ -554,11 +570,43 @@ def stage_graph(cfg: ParityConfig, inputs_: list[dict], ref_draft, draft_cat: st
                      "projection inp_g_embeddings and has no fc_out")
     else:
         notes.append("llama.cpp's graph was not run (--no-native)")
+    if native and any(unnamed_in_llama(n) for n in names):
+        notes.append("llama.cpp's graph does not name the convolutions' dynamic taps (attn_conv_dyn, "
+                     "ffn_conv_dyn): they are compared between the reference and our runtime only; the "
+                     "selector is compared as lattices keyed by (slot, predecessor token, candidate token), "
+                     "llama.cpp's read from its nextn rows as draft-dflash reads them")
     nmses = {pair: {n: e * e if e is not None else None for n, e in errs.items()}
              for pair, errs in comparison.errors.items()}
-    return {"status": "fail" if failures or missing else "pass", "draft_type": draft_cat, "head_type": head_cat,
+    failed = failures or missing or (selector is not None and selector["failures"])
+    return {"status": "fail" if failed else "pass", "draft_type": draft_cat, "head_type": head_cat,
             "inputs": inputs, "names": names, "errors": comparison.errors, "nmse": nmses, "bounds": bounds,
-            "shapes": comparison.shapes, "missing": missing, "failures": failures, "notes": notes}
+            "shapes": comparison.shapes, "missing": missing, "failures": failures, "selector": selector,
+            "notes": notes}
+
+
+def selector_summary(per_input: list[dict], bounds: dict[str, dict[str, float]]) -> dict:
+    """DFlash 2: per pair, the largest lattice error over the inputs (bound: result_output's, whose
+    logits the scores add to), candidates only one side proposed, and whether the walked paths (the
+    drafted tokens) were equal on every input; `failures` lists what broke."""
+    pairs, failures = {}, []
+    for pair in bounds:
+        rows = [r[pair] for r in per_input if pair in r]
+        if not rows:
+            continue
+        bound = bounds[pair]["result_output"]
+        out = {"error": max(r["error"] for r in rows), "bound": bound,
+               "only_one_side": sum(r["only_a"] + r["only_b"] for r in rows),
+               "entries": sum(r["entries"] for r in rows), "same_path": all(r["same_path"] for r in rows)}
+        pairs[pair] = out
+        if not out["error"] <= bound:
+            failures.append(f"{pair}: lattice relative error {_fmt(out['error'])} > bound {_fmt(bound)}")
+        if out["only_one_side"]:
+            failures.append(f"{pair}: {out['only_one_side']} lattice entries on one side only (other top-K candidates)")
+        if not out["same_path"]:
+            bad = next(r for r in per_input if pair in r and not r[pair]["same_path"])
+            failures.append(f"{pair}: drafted tokens differ on {bad['prompt']}: {bad[pair]['path_a']} vs "
+                            f"{bad[pair]['path_b']}")
+    return {"pairs": pairs, "inputs": per_input, "failures": failures}
 
 
 # ---------------------------------------------------------------- stage 4: end to end
@@ -763,6 +811,11 @@ def first_divergence(report: dict) -> dict | None:
                                              if t.get("error") is not None)
         out["message"] = msg
         return out
+
+    selector = graph.get("selector") or {}
+    if selector.get("failures"):  # DFlash 2: after every named intermediate, the selector's lattice
+        return {"stage": "graph", "name": "selector", "layer": None,
+                "message": "selector: " + "; ".join(selector["failures"])}
 
     e2e = st.get("end_to_end", {})
     for d in e2e.get("divergence", []):
