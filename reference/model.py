@@ -218,12 +218,21 @@ class DraftLayer(nn.Module):
                 visible &= kp - qp < self.window
         return visible
 
-    def forward(self, x, ctx_k, ctx_v, ctx_pos, blk_pos, blk_cos, blk_sin, trace=None, attn_mask=None):
+    def forward(self, x, ctx_k, ctx_v, ctx_pos, blk_pos, blk_cos, blk_sin, trace=None, attn_mask=None,
+                block_len=None):
         """x: [B, H] block hidden states; ctx_k, ctx_v: [T, n_kv, D] all context K/V (cache + new).
 
         attn_mask: [B, T + B] bool (True = visible) replacing the layer's own rule; the trainer
-        packs many blocks into one call and gives each its own view of the context."""
+        packs many blocks into one call and gives each its own view of the context.
+        block_len: with packed blocks, the length of each: a DFlash 2 convolution runs per block and
+        never reads across a block boundary (None: x is one block)."""
         il, a = self.il, self.self_attn
+
+        def conv(module: GroupedDynamicConv, y: torch.Tensor, dyn: torch.Tensor, side: int) -> torch.Tensor:
+            if block_len is None:
+                return module(y, dyn, side)
+            blocks = module(y.view(-1, block_len, y.shape[-1]), dyn.view(-1, block_len, dyn.shape[-1]), side)
+            return blocks.reshape(y.shape)
 
         def traced(name: str, t: torch.Tensor) -> torch.Tensor:  # t, kept as `name-il` when tracing
             if trace is not None:
@@ -234,7 +243,7 @@ class DraftLayer(nn.Module):
         attn_dyn = None
         if self.attention_conv is not None:  # DFlash 2: q, k and v read the convolved block
             attn_dyn = traced("attn_conv_dyn", self.attention_conv.kernel_projection(h))
-            h = traced("attn_conv_in", self.attention_conv(h, attn_dyn, 0))
+            h = traced("attn_conv_in", conv(self.attention_conv, h, attn_dyn, 0))
         q = traced("Qcur", apply_rope(a.q_norm(a.q_proj(h).view(-1, self.n_head, self.head_dim)), blk_cos, blk_sin))
         k = traced("Kcur", apply_rope(a.k_norm(a.k_proj(h).view(-1, self.n_kv, self.head_dim)), blk_cos, blk_sin))
         v = traced("Vcur", a.v_proj(h).view(-1, self.n_kv, self.head_dim))
@@ -249,17 +258,17 @@ class DraftLayer(nn.Module):
                                               scale=self.head_dim ** -0.5)
         attn = a.o_proj(attn.transpose(0, 1).reshape(x.shape[0], -1))  # [B, n_head * D] -> [B, H]
         if attn_dyn is not None:
-            attn = traced("attn_conv_out", self.attention_conv(attn, attn_dyn, 1))
+            attn = traced("attn_conv_out", conv(self.attention_conv, attn, attn_dyn, 1))
 
         x = traced("ffn_inp", x + attn)
         hn = traced("ffn_norm", self.post_attention_layernorm(x))
         ffn_dyn = None
         if self.mlp_conv is not None:  # DFlash 2: the MLP reads the convolved block
             ffn_dyn = traced("ffn_conv_dyn", self.mlp_conv.kernel_projection(hn))
-            hn = traced("ffn_conv_in", self.mlp_conv(hn, ffn_dyn, 0))
+            hn = traced("ffn_conv_in", conv(self.mlp_conv, hn, ffn_dyn, 0))
         f = traced("ffn_out", self.mlp.down_proj(F.silu(self.mlp.gate_proj(hn)) * self.mlp.up_proj(hn)))
         if ffn_dyn is not None:
-            f = traced("ffn_conv_out", self.mlp_conv(f, ffn_dyn, 1))
+            f = traced("ffn_conv_out", conv(self.mlp_conv, f, ffn_dyn, 1))
         return traced("l_out", x + f)
 
 

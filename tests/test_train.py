@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch.nn import functional as F
 
 import dflash_llama
 from dflash_llama.converter import convert
@@ -551,3 +552,110 @@ def response_counts(data_dir) -> dict[int, int]:
         for tok in tokens[prompt_len:].tolist():
             counts[int(tok)] = counts.get(int(tok), 0) + 1
     return counts
+
+
+DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+
+
+def test_a_dflash1_draft_starts_a_dflash2_draft_that_drafts_the_same_then_trains_its_heads(
+        dataset, small_draft, tiny_target_gguf, tmp_path, monkeypatch):
+    """--variant dflash2 --init DFLASH1_DRAFT: identity convolutions, so the logits are the DFlash 1
+    draft's; training moves the convolutions and the selector (its own loss); sharded checkpoints in
+    z-lab's format, which the reference and the converter read."""
+    from dflash_llama import schema as L
+    from dflash_llama.reference.model import DFlashDraft
+    from dflash_llama.train import trainer
+
+    out_data, _, _ = dataset
+    first, cfg = small_draft
+    t = target_weights_from_gguf(tiny_target_gguf)
+    start_dir, trained_dir = tmp_path / "start", tmp_path / "trained"
+    train(out_data, tiny_target_gguf, start_dir, TrainConfig(**{**cfg.__dict__, **DFLASH2, "epochs": 0.0}),
+          progress=False, threads=2, init=first)
+    monkeypatch.setattr(trainer, "SHARD_BYTES", 20_000)  # the tiny draft in shards, as a real one is
+    log = train(out_data, tiny_target_gguf, trained_dir, TrainConfig(**{**cfg.__dict__, **DFLASH2, "epochs": 1.0}),
+                progress=False, threads=2, init=first)
+    config = json.loads((trained_dir / "config.json").read_text())
+    assert config["architectures"] == [L.DFLASH2.architecture] and config["dflash_config"]["selector_top_k"] == 4
+    index = json.loads((trained_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "candidate_selector.predecessor_codebook" in index and "layers.0.mlp_conv.base_kernel" in index
+    assert not (trained_dir / "model.safetensors").exists() and len(set(index.values())) > 1
+    assert all(np.isfinite(log.loss)) and log.loss[-1] > 0
+
+    dflash1, start, trained = (load_draft(d, t.embed_tokens, t.lm_head) for d in (first, start_dir, trained_dir))
+    assert isinstance(start, DFlashDraft) and start.config.variant is L.DFLASH2
+    conv = start.layers[0].attention_conv
+    assert torch.equal(conv.base_kernel[:, 0], torch.ones_like(conv.base_kernel[:, 0]))
+    assert torch.count_nonzero(conv.base_kernel[:, 1]) == 0 and torch.count_nonzero(conv.kernel_projection.weight) == 0
+    assert 0 < start.candidate_selector.hidden_projection.weight.abs().max() < 0.2  # random, small
+    tokens, prompt_len, feats = next(iter(iter_sequences(out_data)))
+    feats = torch.from_numpy(feats.astype(np.float32))
+    a = prompt_len + 2
+    block = [int(tokens[a])] + [cfg.mask_token_id] * (cfg.block_size - 1)
+    with torch.no_grad():
+        assert torch.equal(start(feats[:a], block, a), dflash1(feats[:a], block, a))
+        moved = trained.layers[0].mlp_conv
+        assert torch.count_nonzero(moved.kernel_projection.weight) > 0 and torch.count_nonzero(moved.base_kernel[:, 1])
+        assert not torch.equal(trained.candidate_selector.successor_codebook,
+                               start.candidate_selector.successor_codebook)
+        # packed training blocks == one block at a time through the inference path: no conv across blocks
+        anchors = torch.tensor([prompt_len, prompt_len + 1, prompt_len + 3])
+        packed = block_hidden(trained, feats, torch.from_numpy(tokens.astype(np.int64)), anchors)
+        for m, a in enumerate(anchors.tolist()):
+            block = [int(tokens[a])] + [cfg.mask_token_id] * (cfg.block_size - 1)
+            alone = trained.block_states(feats[:a], block, a)
+            assert torch.allclose(packed[m], alone, atol=1e-5), (m, (packed[m] - alone).abs().max())
+    gguf = convert(trained_dir, tiny_target_gguf, tmp_path / "draft2.gguf", outtype="f32")
+    rt = dflash_llama.Runtime(tiny_target_gguf, gguf, n_threads=2, n_ctx=256)
+    assert rt.generate("def add(a, b):", 16).tokens == rt.autoregressive("def add(a, b):", 16).tokens
+    with pytest.raises(ValueError, match=r"it is a DFlash 2 draft, this training's a DFlash 1 one \(give --variant "
+                                         r"dflash2\)"):
+        train(out_data, tiny_target_gguf, tmp_path / "back", cfg, progress=False, threads=2, init=trained_dir)
+
+
+def test_the_selector_loss_is_the_cross_entropy_over_the_candidates_after_the_true_predecessor(small_draft):
+    from dflash_llama.reference.model import DFlashDraft
+    from dflash_llama.train.trainer import Batch, draft_config, selector_loss
+
+    _, cfg = small_draft
+    torch.manual_seed(0)
+    draft = DFlashDraft(draft_config(TrainConfig(**{**cfg.__dict__, **DFLASH2}), _FakeTarget()))
+    torch.nn.init.normal_(draft.candidate_selector.predecessor_codebook)
+    torch.nn.init.normal_(draft.candidate_selector.successor_codebook)
+    tokens = torch.tensor([5, 9, 3, 7, 2, 8])
+    b = Batch(tokens, torch.zeros(6, 1), torch.tensor([1]), torch.tensor([[3, 7, -1]]))  # block at 1 predicts 3, 7
+    y = torch.randn(1, 3, 32)
+    logits = torch.full((1, 3, 12), -5.0)
+    logits[0, 0, [3, 4, 5, 6]] = torch.tensor([1.0, 2.0, 3.0, 4.0])  # slot 1: 3 is the 4th candidate
+    logits[0, 1, [0, 1, 2, 4]] = 1.0  # slot 2: 7 is no candidate
+    weights = torch.tensor([1.0, 0.5, 0.25])
+    sel = draft.candidate_selector
+    cands = torch.tensor([6, 5, 4, 3])
+    gate = sel.hidden_projection(y[0, 0])
+    want = torch.tensor([4.0, 3.0, 2.0, 1.0]) + (sel.predecessor_codebook[9] * gate) @ sel.successor_codebook[cands].T
+    got = selector_loss(draft, y, logits, None, b, weights)
+    assert torch.allclose(got, F.cross_entropy(want[None], torch.tensor([3])), atol=1e-6)
+
+
+class _FakeTarget:
+    """The shape of a target for draft_config: hidden 32, vocabulary 12."""
+    embed_tokens = torch.zeros(12, 32)
+    ffn, n_heads, n_kv_heads, head_dim, rope_theta, n_layers = 64, 4, 2, 8, 10000.0, 4
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--selector-top-k", "4"], "--selector-top-k is a DFlash 2 setting: give --variant dflash2"),
+    (["--variant", "dflash2", "--conv-group-size", "7"], "--conv-group-size 7 does not divide the target's hidden"),
+    (["--variant", "dflash2", "--selector-top-k", "999999"], "--selector-top-k 999999 is larger than the draft "
+                                                                "vocabulary (the target's vocabulary:"),
+    (["--variant", "dflash2", "--draft-vocab", "16", "--selector-top-k", "17"],
+     "--selector-top-k 17 is larger than the draft vocabulary (--draft-vocab: 16 tokens)"),
+    (["--variant", "dflash2", "--selector-rank", "0"], "--selector-rank must be positive, got 0"),
+])
+def test_cli_refuses_bad_dflash2_arguments(capsys, tiny_target_gguf, tmp_path, extra, message):
+    from dflash_llama import cli
+
+    got = cli.main(["train", "--target", str(tiny_target_gguf), "--out", str(tmp_path / "out"), *extra])
+    err = capsys.readouterr().err
+    assert got == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()

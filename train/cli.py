@@ -15,6 +15,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dflash_llama.cli_args import add_model_args, add_seed_arg, add_threads_arg, finite_float
+from dflash_llama.schema import DFLASH1, DFLASH2, VARIANTS
+
+# DFlash 2's settings: flag, default, what it sets
+DFLASH2_FLAGS = (("--conv-kernel-size", 2, "taps of each convolution"),
+                 ("--conv-group-size", 16, "channels sharing one dynamic coefficient (divides the hidden size)"),
+                 ("--selector-rank", 64, "rank of the selector's codebooks"),
+                 ("--selector-top-k", 8, "candidates the selector walks per draft slot"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,6 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight of KL(target || draft) on the target's whole next-token distribution against "
                         "cross-entropy on its greedy token (0: cross-entropy only). The target's logits come from "
                         "its deepest captured layer through its remaining layers, run in PyTorch (llama, qwen3)")
+    p.add_argument("--variant", choices=sorted(VARIANTS), default=DFLASH1.name,
+                   help="draft variant: dflash (DFlash 1) or dflash2 (DFlash 2: grouped dynamic convolutions around "
+                        "every sublayer and a candidate selector, trained with its own loss; --init of a DFlash 1 "
+                        "draft starts from identity convolutions, so step 0 drafts what that draft drafts)")
+    for flag, default, what in DFLASH2_FLAGS:
+        p.add_argument(flag, type=int, default=None, help=f"DFlash 2: {what} (default {default})")
     p.add_argument("--eval-every", type=int, default=200)
     add_seed_arg(p, "seed of the prompt list, the target's sampling and training")
     add_threads_arg(p)
@@ -127,11 +140,40 @@ def _check_arguments(args: argparse.Namespace, target: Path) -> list[int]:
     if set(engines) - {"runtime", "native", "published"} or not engines:
         raise ValueError(f"--eval-engines takes runtime, native, published; got {args.eval_engines!r}")
     args.eval_engines = engines
+    _check_variant(args, target)
     if args.init is not None and not (args.init / "config.json").exists():
         raise FileNotFoundError(f"--init {args.init}: no draft checkpoint there (config.json)")
     if args.prompt_source == "self" and not args.prompts and not args.eval_only:
         raise ValueError("--prompt-source self needs --prompts N (how many exercises the target writes)")
     return layer_ids
+
+
+def _check_variant(args: argparse.Namespace, target: Path) -> None:
+    """DFlash 2's flags only with --variant dflash2; there, their defaults filled in and checked."""
+    import dflash_llama
+
+    dests = [flag[2:].replace("-", "_") for flag, _, _ in DFLASH2_FLAGS]
+    if args.variant != DFLASH2.name:
+        given = [flag for (flag, _, _), dest in zip(DFLASH2_FLAGS, dests) if getattr(args, dest) is not None]
+        if given:
+            raise ValueError(f"{given[0]} is a DFlash 2 setting: give --variant {DFLASH2.name}")
+        for dest in dests:
+            setattr(args, dest, 0)
+        return
+    for (flag, default, _), dest in zip(DFLASH2_FLAGS, dests):
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+        if getattr(args, dest) < 1:
+            raise ValueError(f"{flag} must be positive, got {getattr(args, dest)}")
+    info = dflash_llama.gguf_info(target)
+    n_embd = int(info.metadata.get(f"{info.architecture}.embedding_length", 0))
+    if n_embd and n_embd % args.conv_group_size:
+        raise ValueError(f"--conv-group-size {args.conv_group_size} does not divide the target's hidden size {n_embd}")
+    n_vocab = len(info.metadata.get("tokenizer.ggml.tokens", ()))
+    vocab, what = (args.draft_vocab, "--draft-vocab") if args.draft_vocab else (n_vocab, "the target's vocabulary")
+    if vocab and args.selector_top_k > vocab:
+        raise ValueError(f"--selector-top-k {args.selector_top_k} is larger than the draft vocabulary "
+                         f"({what}: {vocab} tokens)")
 
 
 def _prompt_source(args: argparse.Namespace) -> str:
@@ -181,6 +223,8 @@ def _train(args: argparse.Namespace, target: Path, data: Path, layer_ids: list[i
                       batch=args.batch, anchors=args.anchors, gamma=args.gamma, vocab_subset=args.vocab_subset,
                       draft_vocab=args.draft_vocab,
                       distill=args.distill, eval_every=args.eval_every, seed=args.seed,
+                      conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
+                      selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
                       bf16=cpu_has_bf16())  # resolved here so that train_log.json records it
     log = train([data, *args.extra_data], target, args.out, cfg, threads=args.threads, init=args.init)
     summary = {"steps": log.steps[-1] if log.steps else 0, "final_loss": log.loss[-1] if log.loss else None,

@@ -29,6 +29,12 @@ class EngineScore:
     seconds: float
     exact: bool | None = None  # greedy output == target greedy output (our runtime)
     note: str = ""
+    accepted_hist: list[int] = field(default_factory=list)  # [j]: verifies that accepted j drafted tokens
+
+    def acceptance_by_position(self) -> list[float]:
+        """[k-1]: the share of verifies whose drafted token k was accepted (k = 1..B-1)."""
+        steps = sum(self.accepted_hist)
+        return [sum(self.accepted_hist[k:]) / steps for k in range(1, len(self.accepted_hist))] if steps else []
 
     @property
     def tau(self) -> float:
@@ -78,7 +84,7 @@ def score_runtime(target: Path, draft_gguf: Path, prompts: list[str], n_predict:
     from dflash_llama.runtime import Runtime
 
     rt = Runtime(target, draft_gguf, n_threads=threads, n_ctx=2048, compact_draft_head=False)  # as the peers
-    s = EngineScore("dflash-llama runtime", 0, 0, 0, 0, 0, 0.0, exact=True)
+    s = EngineScore("dflash-llama runtime", 0, 0, 0, 0, 0, 0.0, exact=True, accepted_hist=[0] * block_size)
     t0 = time.perf_counter()
     for p in tqdm(prompts, desc="runtime", disable=not progress):
         g = rt.generate(p, n_predict, block_size=block_size, draft_max=None)  # tau of the whole block
@@ -89,6 +95,8 @@ def score_runtime(target: Path, draft_gguf: Path, prompts: list[str], n_predict:
         s.steps += len(g.steps)
         s.drafted += sum(len(x.drafted) for x in g.steps)
         s.accepted += sum(x.accepted for x in g.steps)
+        for x in g.steps:
+            s.accepted_hist[min(x.accepted, block_size - 1)] += 1
     s.seconds = time.perf_counter() - t0
     return s
 

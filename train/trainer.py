@@ -33,7 +33,7 @@ from torch.nn import functional as F
 
 from dflash_llama import schema as L
 from dflash_llama.reference.gguf_tensors import TargetWeights, target_weights_from_gguf
-from dflash_llama.reference.model import DFlashDraft, DraftConfig, rope_cos_sin
+from dflash_llama.reference.model import DFlashDraft, DraftConfig, GroupedDynamicConv, rope_cos_sin
 
 
 @dataclass
@@ -62,6 +62,12 @@ class TrainConfig:
     bf16: bool | None = None  # autocast matmuls to bf16 (weights stay f32); None: where the CPU has bf16 units
     distill: float = 0.0  # weight of KL(target || draft) against cross-entropy on the greedy token
     seed: int = 0
+    # DFlash 2 (schema.DFLASH2) when conv_kernel_size > 0: its convolutions and candidate selector
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    selector_weight: float = 1.0  # weight of the selector's loss beside the draft loss
 
     def resolved_gamma(self) -> float:
         if self.gamma > 0:
@@ -76,7 +82,8 @@ def draft_config(cfg: TrainConfig, t: TargetWeights) -> DraftConfig:
         head_dim=cfg.head_dim or t.head_dim, n_vocab=t.embed_tokens.shape[0],
         mask_token_id=cfg.mask_token_id, target_layer_ids=list(cfg.target_layer_ids),
         block_size=cfg.block_size, rms_eps=1e-6, rope_freq_base=t.rope_theta,
-        n_layer_target=t.n_layers, n_ctx_train=8192)
+        n_layer_target=t.n_layers, n_ctx_train=8192, conv_kernel_size=cfg.conv_kernel_size,
+        conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
 
 
 def init_draft(dcfg: DraftConfig, seed: int) -> DFlashDraft:
@@ -88,7 +95,19 @@ def init_draft(dcfg: DraftConfig, seed: int) -> DFlashDraft:
                 torch.nn.init.normal_(p, std=0.02)
             else:
                 p.fill_(1.0)
+        for conv in draft.modules():
+            if isinstance(conv, GroupedDynamicConv):
+                identity_conv(conv)
     return draft
+
+
+def identity_conv(conv: GroupedDynamicConv) -> None:
+    """A DFlash 2 convolution that passes its input through: tap 0 is 1, the other taps and the
+    dynamic projection 0 (training moves them from there)."""
+    with torch.no_grad():
+        conv.base_kernel.zero_()
+        conv.base_kernel[:, 0] = 1.0
+        conv.kernel_projection.weight.zero_()
 
 
 # --------------------------------------------------------------------------- batched forward
@@ -121,7 +140,7 @@ def block_hidden(draft: DFlashDraft, feats: torch.Tensor, tokens: torch.Tensor,
     c = draft.hidden_norm(draft.fc(feats.to(dtype)))
     for layer in draft.layers:
         k_ctx, v_ctx = layer.context_kv(c, ctx_cos, ctx_sin)
-        x = layer(x, k_ctx, v_ctx, ctx_pos, blk_pos, blk_cos, blk_sin, attn_mask=mask)
+        x = layer(x, k_ctx, v_ctx, ctx_pos, blk_pos, blk_cos, blk_sin, attn_mask=mask, block_len=B)
     return draft.norm(x).view(M, B, -1)
 
 
@@ -171,13 +190,16 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 def batch_loss(draft: DFlashDraft, b: Batch, weights: torch.Tensor, vocab: torch.Tensor | None,
-               vocab_index: torch.Tensor | None, distill: float = 0.0) -> torch.Tensor:
+               vocab_index: torch.Tensor | None, distill: float = 0.0,
+               selector_weight: float = 1.0) -> torch.Tensor:
     """Weighted cross-entropy over block positions 1..B-1 (over `vocab` if given), mixed with
-    KL(target || draft) at weight `distill` when the batch carries the target's hidden states."""
+    KL(target || draft) at weight `distill` when the batch carries the target's hidden states;
+    a DFlash 2 draft adds its selector's loss (`selector_loss`) at weight `selector_weight`."""
     y = block_hidden(draft, b.feats, b.tokens, b.anchors)[:, 1:]  # [M, B-1, H]
     valid = b.targets >= 0
     targets = b.targets.clamp(min=0)
     head = draft.lm_head
+    cols = None  # the target id of each logit column (None: all of them, in order)
     if vocab is None:
         logits = y @ head.T
     else:
@@ -197,6 +219,36 @@ def batch_loss(draft: DFlashDraft, b: Batch, weights: torch.Tensor, vocab: torch
         kl = (t_logp.exp() * (t_logp - F.log_softmax(logits.float(), dim=-1))).sum(-1)
         ce = (1 - distill) * ce + distill * kl.reshape(-1)
     w = (weights[None, :] * valid).reshape(-1)
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    if draft.candidate_selector is not None and selector_weight > 0:
+        loss = loss + selector_weight * selector_loss(draft, y, logits, cols, b, weights)
+    return loss
+
+
+def selector_loss(draft: DFlashDraft, y: torch.Tensor, logits: torch.Tensor, cols: torch.Tensor | None,
+                  b: Batch, weights: torch.Tensor) -> torch.Tensor:
+    """The candidate selector's own loss, teacher-forced: at each draft slot, the cross-entropy of its
+    scores over the slot's top-K candidates after the TRUE predecessor (the anchor for slot 1, the
+    target's token before the slot otherwise), labelled with the true token where it is a candidate
+    (slots whose true token is not among them carry no selector loss). The candidates and their unary
+    logits are the draft's own, detached: this loss trains the codebooks and the gate, the draft
+    loss the logits. y: [M, B-1, H] result_norm of the slots; logits: [M, B-1, C] after
+    finish_logits, over target ids `cols` (None: the whole vocabulary); weights: [B-1]."""
+    sel = draft.candidate_selector
+    k = min(sel.top_k, logits.shape[-1])
+    unary, index = logits.detach().float().topk(k, dim=-1)  # [M, B-1, K]
+    candidates = index if cols is None else cols[index]
+    n_slots = y.shape[1]
+    before = (b.anchors[:, None] + torch.arange(n_slots)[None, :]).clamp(max=len(b.tokens) - 1)
+    predecessors = b.tokens[before]  # [M, B-1]: the anchor, then the true tokens
+    gate = sel.hidden_projection(y)  # [M, B-1, r]
+    pred = (sel.predecessor_codebook[predecessors] * gate).float()  # [M, B-1, r]
+    succ = sel.successor_codebook[candidates].float()  # [M, B-1, K, r]
+    scores = unary + torch.einsum("msr,mskr->msk", pred, succ)
+    hit = candidates == b.targets[..., None]  # [M, B-1, K]
+    present = hit.any(-1) & (b.targets >= 0)
+    ce = F.cross_entropy(scores.reshape(-1, k), hit.float().argmax(-1).reshape(-1), reduction="none")
+    w = (weights[None, :] * present).reshape(-1)
     return (ce * w).sum() / w.sum().clamp(min=1e-6)
 
 
@@ -292,13 +344,17 @@ def draft_vocabulary(sequences, k: int, target_gguf) -> torch.Tensor:
     return torch.tensor(sorted(eog | top), dtype=torch.int64)
 
 
+SHARD_BYTES = 20_000_000  # a checkpoint larger than this is sharded, every file under it
+
+
 def save_checkpoint(draft: DFlashDraft, out: Path, extra_config: dict | None = None,
                     d2t: torch.Tensor | None = None) -> None:
     """The published HF format: config.json + model.safetensors (bf16), no `model.` prefix. A reduced
     vocabulary (`d2t`: the target ids the draft's head keeps, ascending) is stored as EAGLE-3 and
-    DSpark checkpoints store it: int64 offsets (target id = i + d2t[i]) and `draft_vocab_size`."""
-    from safetensors.torch import save_file
-
+    DSpark checkpoints store it: int64 offsets (target id = i + d2t[i]) and `draft_vocab_size`.
+    Over SHARD_BYTES (a DFlash 2 draft's codebooks span the whole vocabulary), the weights are
+    sharded as transformers shards them: model-0000i-of-0000n.safetensors and
+    model.safetensors.index.json."""
     out.mkdir(parents=True, exist_ok=True)
     config = draft.config.to_hf_config(torch_dtype="bfloat16")
     config.update(extra_config or {})
@@ -306,10 +362,35 @@ def save_checkpoint(draft: DFlashDraft, out: Path, extra_config: dict | None = N
     if d2t is not None:
         state[L.D2T] = (d2t.to(torch.int64) - torch.arange(len(d2t), dtype=torch.int64)).contiguous()
         config[L.DRAFT_VOCAB_SIZE] = len(d2t)
-    tmp = out / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
+    _save_weights(state, out)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _save_weights(state: dict[str, torch.Tensor], out: Path) -> None:
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, value in state.items():
+        nbytes = value.numel() * value.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += nbytes
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        if stale.name not in names and stale.exists():
+            stale.unlink()
+    for name, shard in zip(names, shards):
+        tmp = out / (name + ".tmp")
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, out / name)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in state.values())},
+                 "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 @dataclass
@@ -326,12 +407,20 @@ def _load_init(draft: DFlashDraft, init: str | os.PathLike, t: TargetWeights) ->
     A checkpoint with fewer layers grows: each extra layer starts as a copy of the checkpoint's last
     layer with its output projections (o_proj, down_proj) zeroed, so it adds nothing to the residual
     stream and the grown draft computes exactly what the checkpoint computed until training moves it.
+    A DFlash 1 checkpoint into a DFlash 2 draft keeps the draft's identity convolutions and small
+    random selector (`init_draft`): its logits are the checkpoint's until training moves them.
     """
     from dflash_llama.reference.checkpoint import load_draft
 
     start = load_draft(init, t.embed_tokens, t.lm_head)
     mine, theirs = draft.config, start.config
-    for key in ("n_embd", "n_ff", "n_head", "n_head_kv", "block_size", "target_layer_ids"):
+    if theirs.variant.has(L.CONV) and not mine.variant.has(L.CONV):
+        raise ValueError(f"--init {init}: it is a {theirs.variant.title} draft, this training's a "
+                         f"{mine.variant.title} one (give --variant {theirs.variant.name})")
+    keys = ["n_embd", "n_ff", "n_head", "n_head_kv", "block_size", "target_layer_ids"]
+    if theirs.variant.has(L.CONV):
+        keys += ["conv_kernel_size", "conv_group_size", "selector_rank"]
+    for key in keys:
         if getattr(mine, key) != getattr(theirs, key):
             raise ValueError(f"--init {init}: its {key} is {getattr(theirs, key)}, this training's is "
                              f"{getattr(mine, key)}")
@@ -344,7 +433,11 @@ def _load_init(draft: DFlashDraft, init: str | os.PathLike, t: TargetWeights) ->
         for name, value in last.items():
             zero = name in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
             state[f"layers.{il}.{name}"] = torch.zeros_like(value) if zero else value.clone()
-    draft.load_state_dict(state)
+    if theirs.variant is mine.variant:
+        draft.load_state_dict(state)
+        return
+    mine_only = {k for k in draft.state_dict() if k.split(".")[0] == "candidate_selector" or "_conv." in k}
+    draft.load_state_dict({**{k: v for k, v in draft.state_dict().items() if k in mine_only}, **state})
 
 
 def load_sequences(data_dirs: list, cfg: TrainConfig) -> list:
@@ -465,7 +558,8 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
             if tail is not None:
                 attach_teacher(b, tail, tap)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = batch_loss(draft, b, weights, vocab, vocab_index, cfg.distill) / cfg.batch
+                loss = batch_loss(draft, b, weights, vocab, vocab_index, cfg.distill,
+                                  cfg.selector_weight) / cfg.batch
             loss.backward()
             loss_sum += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, cfg.clip)
