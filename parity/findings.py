@@ -193,9 +193,130 @@ def u9_speculators_dflash2() -> bool:
     return error is not None
 
 
+# --- DFlash 2 in llama.cpp: what lowers acceptance (docs/upstream_status.md, "DFlash 2") -----------
+
+DFLASH2_STUDY_PAIR = "tiny-dflash2-f32"  # registry pair: block 8, top-K 4, non-causal
+
+
+def dflash2_contexts(rt, n_contexts: int, prompt: str = PROMPT) -> tuple[np.ndarray, list[int], list[int]]:
+    """Features of the prompt and the target's greedy continuation, and the positions whose
+    anchors the study drafts from (the last prompt token, then each generated one)."""
+    tokens = rt.tokenize(prompt)
+    ar = rt.autoregressive(tokens, n_contexts, stop_at_eog=False)
+    full = tokens + ar.tokens
+    return rt.capture(full), full, list(range(len(tokens) - 1, len(tokens) - 1 + n_contexts))
+
+
+def prefix_match(a: list[int], b: list[int]) -> int:
+    """How many leading tokens of a equal b's: what a verify would accept of `a` were `b` the target's."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def lattice_confidence(packed: np.ndarray, k: int) -> list[float]:
+    """The softmax probability of each step of llama.cpp's walk at its argmax, as draft-dflash
+    compares it with --spec-draft-p-min (1 / sum(exp(s - s_max)))."""
+    rows = np.asarray(packed, dtype=np.float64)[1:]
+    out, pred = [], 0
+    for row in rows:
+        scores = row[k + pred * k:k + (pred + 1) * k]
+        pred = int(np.argmax(scores))
+        out.append(float(1.0 / np.exp(scores - scores[pred]).sum()))
+    return out
+
+
+def dflash2_acceptance_study(pair: str = DFLASH2_STUDY_PAIR, n_contexts: int = 24,
+                             n_max: tuple[int, ...] = (1, 3, 7), p_min: tuple[float, ...] = (0.5, 0.75, 0.9)) -> dict:
+    """llama.cpp's DFlash 2 drafts against the reference's at the trained block B, on the same
+    contexts: for each --spec-draft-n-max (a block of n_max + 1; B - 1 added), per-position
+    agreement with the reference's walked path and the mean accepted length were the reference's drafts
+    the target's (1 + matching prefix: the tau that block could reach where the trained block reaches
+    B); then --spec-draft-p-min's truncation of the full-block walk, and exact ties in the walks."""
+    import torch
+
+    import dflash_llama
+    from dflash_llama.reference.checkpoint import load_draft
+    from dflash_llama.reference.gguf_tensors import target_weights_from_gguf
+
+    from . import registry
+    from .graph import drafted_tokens, reference_trace
+    from .native import NativeDraft
+
+    pairs, defaults = registry.load()
+    r = registry.resolve(next(p for p in pairs if p.name == pair), defaults)
+    torch.set_num_threads(1)
+    rt = dflash_llama.Runtime(r.target, r.draft, n_threads=1, n_ctx=512, kv_f32=True, compact_draft_head=False)
+    native = NativeDraft(rt, r.draft, n_ctx=512, n_threads=1)
+    tw = target_weights_from_gguf(r.target)
+    ref_draft = load_draft(r.draft_hf, tw.embed_tokens, tw.lm_head)
+    B, k, mask = rt.block_size, native.selector_top_k, rt.mask_token_id
+    feats, full, starts = dflash2_contexts(rt, n_contexts)
+    widths = sorted({*(n for n in n_max if n < B - 1), B - 1})  # draft-dflash clamps n_max to B - 1
+    agree = {n: np.zeros(min(n, B - 1)) for n in widths}
+    accepted = {n: 0.0 for n in widths}
+    conf, ties, ref_ties = [], 0, 0
+    for t in starts:
+        ctx = feats[:t]
+        block = [full[t]] + [mask] * (B - 1)
+        ref = reference_trace(ref_draft, ctx, block)
+        want = drafted_tokens(ref, rt.n_vocab)
+        scores = np.asarray(ref["selector_scores"])
+        index = 0  # ties in the reference's walk: a row whose maximum is not unique
+        for slot, tok in enumerate(want):
+            row = scores[slot, index]
+            ref_ties += int((row == row.max()).sum() > 1)
+            index = int(np.flatnonzero(np.asarray(ref["selector_candidates"])[slot] == tok)[0])
+        for n in widths:
+            trace = native.trace(ctx, [full[t]] + [mask] * n)
+            got = drafted_tokens(trace, rt.n_vocab, k)[:n]
+            m = min(n, B - 1)
+            agree[n] += np.array([a == b for a, b in zip(got[:m], want[:m])], dtype=float)
+            accepted[n] += 1 + prefix_match(got, want)
+            if n == B - 1:
+                conf.append(lattice_confidence(trace["dflash2_lattice"], k))
+                packed = np.asarray(trace["dflash2_lattice"], dtype=np.float64)[1:]
+                pred = 0
+                for row in packed:
+                    s = row[k + pred * k:k + (pred + 1) * k]
+                    ties += int((s == s.max()).sum() > 1)
+                    pred = int(np.argmax(s))
+    n_ctx = len(starts)
+    conf_arr = np.array(conf)  # [contexts, B - 1]
+    truncated = {p: float(np.mean([next((i for i, c in enumerate(row) if c < p), len(row)) for row in conf_arr]))
+                 for p in p_min}
+    return {"pair": pair, "block_size": B, "top_k": k, "contexts": n_ctx,
+            "rows": [{"n_max": n, "block": n + 1, "agreement": (agree[n] / n_ctx).tolist(),
+                      "mean_agreement": float(agree[n].sum() / (n_ctx * len(agree[n]))),
+                      "tau_if_reference_exact": accepted[n] / n_ctx, "tau_cap": n + 1} for n in widths],
+            "p_min_mean_drafted": truncated, "mean_walk_confidence": float(conf_arr.mean()),
+            "ties": {"native": ties, "reference": ref_ties, "steps": n_ctx * (B - 1)}}
+
+
+def u10_dflash2_default_block() -> bool:
+    """U10: DFlash 2 drafts in llama.cpp run U5's block of --spec-draft-n-max + 1 (default n_max 3: a
+    block of 4) instead of the trained block: the non-causal block and its convolutions see other
+    MASK positions, the selector walks other candidates, and tau is capped at 4."""
+    out = dflash2_acceptance_study(n_contexts=8, n_max=(3,))
+    rows = {r["n_max"]: r for r in out["rows"]}
+    B = out["block_size"]
+    short, full = rows[3], rows[B - 1]
+    print(f"U10: {out['pair']} (B = {B}, top-K {out['top_k']}), {out['contexts']} contexts: llama.cpp's drafts "
+          f"against the reference's at B: n_max {B - 1} agrees at {full['mean_agreement']:.0%} of positions, "
+          f"n_max 3 (default) at {short['mean_agreement']:.0%} (per position {_pct(short['agreement'])}); "
+          f"tau were the reference's drafts the target's: {full['tau_if_reference_exact']:.2f} vs "
+          f"{short['tau_if_reference_exact']:.2f} (cap {short['tau_cap']})")
+    return short["mean_agreement"] < 1.0 or short["tau_cap"] < full["tau_cap"]
+
+
+def _pct(xs) -> str:
+    return "/".join(f"{x:.0%}" for x in xs)
+
+
 FINDINGS = {"U1": u1_converter_default_layers, "U2": u2_last_layer_tap, "U3": u3_sliding_layers_non_causal,
             "U4": u4_logit_scale_ignored, "U5": u5_block_length, "U7": u7_gemma3_no_layer_inputs,
-            "U9": u9_speculators_dflash2}
+            "U9": u9_speculators_dflash2, "U10": u10_dflash2_default_block}
 
 
 def _top_p(logits: np.ndarray, k: int = 10) -> np.ndarray:

@@ -223,6 +223,13 @@ draft_trace native_draft::trace(const std::vector<float> & features, int32_t n_c
             throw std::invalid_argument("block token " + std::to_string(t) + " is outside the vocabulary");
         }
     }
+    if (selector_top_k_ > 0 && n_block > block_size_) {
+        // draft-dflash clamps --spec-draft-n-max to B - 1; the selector packs at most B lattice rows and
+        // reading more aborts in ggml_backend_tensor_get
+        throw std::invalid_argument("a DFlash 2 block of " + std::to_string(n_block) + " tokens exceeds the trained block of " +
+                                    std::to_string(block_size_) + " (llama.cpp's selector lattice holds " +
+                                    std::to_string(block_size_) + " rows)");
+    }
     if (n_ctx_tokens + n_block > n_ctx_ || std::max(n_ctx_tokens, n_block) > n_ubatch_) {
         throw std::invalid_argument("features (" + std::to_string(n_ctx_tokens) + ") + block (" + std::to_string(n_block) +
                                     ") exceed the native draft context of " + std::to_string(n_ctx_) + " positions");

@@ -16,11 +16,16 @@ def test_the_shipped_registry_loads():
     names = [p.name for p in pairs]
     assert names[:5] == ["tiny-f32", "tiny-f16-gqa", "tiny-q8_0", "tiny-sliding", "tiny-last-layer-tap"]
     # one f32 fixture pair per family beyond qwen3, which the first five use
-    assert {p.name: p.family for p in pairs if p.kind == "fixture" and p.family != "qwen3"} == {
-        f"tiny-{f}-f32": f for f in families.NAMES[1:]}
+    dflash2 = [p for p in pairs if p.draft_cfg.get("variant") == "dflash2"]
+    assert {p.name: p.family for p in pairs if p.kind == "fixture" and p.family != "qwen3" and p not in dflash2} \
+        == {f"tiny-{f}-f32": f for f in families.NAMES[1:]}
     assert {p.family for p in pairs[:5]} == {"qwen3"}
     assert {p.name: p.finding[:3] for p in pairs if p.expect == "fail"} == {
-        "tiny-sliding": "U3:", "tiny-last-layer-tap": "U2:", "tiny-gemma3-f32": "U7:"}
+        "tiny-sliding": "U3:", "tiny-last-layer-tap": "U2:", "tiny-gemma3-f32": "U7:", "tiny-dflash2-sliding": "U3:"}
+    # DFlash 2 pairs on three families, blocks 8 and 16, top-K from 2 to 7, causal and sliding layers
+    assert {p.family for p in dflash2} == {"qwen3", "llama", "qwen35"}
+    assert {p.draft_cfg["block_size"] for p in dflash2} == {8, 16}
+    assert sorted(p.draft_cfg["selector_top_k"] for p in dflash2) == [2, 3, 4, 6, 7]
     # each expected failure names the patch of the series that fixes it, and passes with it
     from dflash_llama.parity import patched
 
