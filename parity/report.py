@@ -150,6 +150,7 @@ def markdown(r: dict, png_name: str = "parity.png") -> str:
             nm = _e((g.get("nmse") or {}).get("reference/runtime", {}).get(name))
             lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {nm} | {bnd} | {'yes' if ok else '**no**'} |")
         lines.append("")
+        lines += _selector_lines(g.get("selector"))
         for impl, names in (g.get("missing") or {}).items():
             lines.append(f"- {impl} lacks: {', '.join(names)}")
         for note in g.get("notes", []):
@@ -198,6 +199,28 @@ def markdown(r: dict, png_name: str = "parity.png") -> str:
     lines += _resources(r)
     lines += ["Bounds and method: docs/parity.md.", ""]
     return "\n".join(lines)
+
+
+def _selector_lines(sel: dict | None) -> list[str]:
+    """DFlash 2: the selector's lattices (scores keyed by slot, predecessor token and candidate token)
+    and walked paths, per pair."""
+    if not sel:
+        return []
+    lines = ["DFlash 2 candidate selector: lattice scores keyed by (slot, predecessor token, candidate token); "
+             "llama.cpp's read from its nextn rows and walked as draft-dflash walks them.", "",
+             "| pair | lattice error | bound | entries | on one side only | same drafted tokens |",
+             "|---|---|---|---|---|---|"]
+    for pair, row in sel["pairs"].items():
+        lines.append(f"| {pair} | {_e(row['error'])} | {_e(row['bound'])} | {row['entries']} | "
+                     f"{row['only_one_side']} | {'yes' if row['same_path'] else '**no**'} |")
+    lines.append("")
+    for item in sel["inputs"]:
+        paths = {p: v for p, v in item.items() if isinstance(v, dict)}
+        if paths:
+            first = next(iter(paths.values()))
+            lines.append(f"- {item['prompt']}: reference path {first['path_a']}")
+    lines += [f"- **{f}**" for f in sel["failures"]]
+    return lines + [""]
 
 
 def _exact(x) -> str:
