@@ -581,6 +581,12 @@ def test_a_dflash1_draft_starts_a_dflash2_draft_that_drafts_the_same_then_trains
     assert "candidate_selector.predecessor_codebook" in index and "layers.0.mlp_conv.base_kernel" in index
     assert not (trained_dir / "model.safetensors").exists() and len(set(index.values())) > 1
     assert all(np.isfinite(log.loss)) and log.loss[-1] > 0
+    from dflash_llama.train.model_card import write_model_card
+
+    card = write_model_card(trained_dir, [out_data]).read_text()
+    assert card.startswith("# tiny-target-f32 DFlash 2 draft (dflash-llama)\n")
+    assert "model.safetensors.index.json" in card
+    assert "candidate selector of rank 8 walking the top 4 candidates" in card
 
     dflash1, start, trained = (load_draft(d, t.embed_tokens, t.lm_head) for d in (first, start_dir, trained_dir))
     assert isinstance(start, DFlashDraft) and start.config.variant is L.DFLASH2

@@ -33,15 +33,16 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
     with_prompts = (f" ({sum(d['tokens'] for d in datasets):,} with prompts)"
                     if all(d.get("tokens") is not None for d in datasets) else "")
     dc = cfg["dflash_config"]
-    params = _count_params(ckpt / "model.safetensors")
+    params = _count_params(ckpt)
+    variant = _variant(cfg)
 
     target = Path(datasets[-1]["target"]) if datasets else Path("target")
     lengths = sorted({d["max_new_tokens"] for d in datasets}) or ["?"]
     lines = [
-        f"# {target.name.split('.')[0]} DFlash draft (dflash-llama)",
+        f"# {target.name.split('.')[0]} {'DFlash' if variant.name == 'dflash' else variant.title} draft (dflash-llama)",
         "",
-        f"A DFlash 1 block-diffusion draft for the target `{display_path(target)}`, trained with "
-        "`dflash-llama train`. Published Hugging Face format (config.json + model.safetensors, bf16): "
+        f"A {variant.title} block-diffusion draft for the target `{display_path(target)}`, trained with "
+        f"`dflash-llama train`. Published Hugging Face format ({_files(ckpt)}, bf16): "
         "`dflash-llama convert`, llama.cpp's `convert_hf_to_gguf.py` and the `dflash` package all load it.",
         "",
         "## Model",
@@ -51,6 +52,7 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
         f"{params / 1e6:.2f} M parameters (the target's embeddings and head are not part of it)",
         f"- block size {cfg['block_size']}, mask token {dc['mask_token_id']}{_token_text(target, dc['mask_token_id'])}, "
         f"target layers {dc['target_layer_ids']} of {cfg['num_target_layers']}",
+        *_dflash2_heads(dc),
         "",
         "## Data",
         "",
@@ -75,7 +77,7 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
                   f"   - {st.get('steps')} optimizer steps of {c.get('batch', '?')} sequences x {c.get('anchors', '?')} "
                   f"anchor blocks, {st.get('wall_s', 0) / 60:.0f} min wall time{_threads(st)}{_autocast(c)}; "
                   f"AdamW lr {c.get('lr', '?')} with {100 * c.get('warmup', 0):.0f}% warmup and cosine decay, "
-                  f"{_loss_vocabulary(c, st.get('draft_vocab_size'))}{_distill(c)}{_gamma(c)}; final loss {st.get('final_loss') or float('nan'):.3f}, held-out "
+                  f"{_loss_vocabulary(c, st.get('draft_vocab_size'))}{_distill(c)}{_gamma(c)}{_selector(c, i)}; final loss {st.get('final_loss') or float('nan'):.3f}, held-out "
                   f"{_heldout_measure(c)} tau (greedy, full vocabulary) {st.get('heldout_tau') or float('nan'):.3f}"] + ([f"   - {st['note']}"] if st.get("note") else [])
     if stages:
         lines += ["", "Recipe: random anchors in the responses, per-block attention masks, position weights "
@@ -95,13 +97,52 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
     return out
 
 
-def _count_params(path: Path) -> int:
+def _count_params(ckpt: Path) -> int:
+    """Parameters in the checkpoint's weights (one file or its shards); a d2t's offsets are none."""
     import math
 
     from safetensors import safe_open
 
-    with safe_open(str(path), "pt") as f:
-        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    total = 0
+    for path in sorted(ckpt.glob("model*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            total += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if k != "d2t")
+    return total
+
+
+def _files(ckpt: Path) -> str:
+    shards = sorted(p.name for p in ckpt.glob("model-*-of-*.safetensors"))
+    if not shards:
+        return "config.json + model.safetensors"
+    return f"config.json + {len(shards)} shards {shards[0]} .. and model.safetensors.index.json, each under 25 MB"
+
+
+def _variant(cfg: dict):
+    from dflash_llama import schema as L
+
+    names = cfg.get("architectures") or []
+    return next((v for v in L.VARIANTS.values() if v.architecture in names), L.DFLASH1)
+
+
+def _dflash2_heads(dc: dict) -> list[str]:
+    if not dc.get("conv_kernel_size"):
+        return []
+    return [f"- DFlash 2 heads: grouped dynamic causal convolutions around attention and the MLP of every layer "
+            f"({dc['conv_kernel_size']} taps, {dc['conv_group_size']} channels per dynamic coefficient), and a "
+            f"candidate selector of rank {dc['selector_rank']} walking the top {dc['selector_top_k']} candidates "
+            f"of each draft slot"]
+
+
+def _selector(c: dict, stage: int) -> str:
+    """A DFlash 2 stage's extra loss, and where its heads started."""
+    if not c.get("conv_kernel_size"):
+        return ""
+    start = (" (the DFlash 1 checkpoint before it as a DFlash 2 draft: identity convolutions, a small random "
+             "selector, so its first step drafts what that checkpoint drafts)") if stage else ""
+    return (f", plus {c.get('selector_weight', 1.0):g} x the candidate selector's loss (cross-entropy of its scores "
+            f"over the top {c['selector_top_k']} candidates after the true predecessor; `--variant dflash2 "
+            f"--conv-kernel-size {c['conv_kernel_size']} --conv-group-size {c['conv_group_size']} --selector-rank "
+            f"{c['selector_rank']} --selector-top-k {c['selector_top_k']}`){start}")
 
 
 def _datasets(stages: list[dict], given: list[dict]) -> list[dict]:
