@@ -665,3 +665,19 @@ def test_cli_refuses_bad_dflash2_arguments(capsys, tiny_target_gguf, tmp_path, e
     err = capsys.readouterr().err
     assert got == 2 and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_drafts_compare_by_tau_and_acceptance_by_position(tmp_path):
+    from dflash_llama.train.eval import EngineScore, write_comparison
+
+    for name, hist in (("d1", [6, 2, 2, 0, 0, 0, 0, 0]), ("d2", [4, 2, 2, 2, 0, 0, 0, 0])):
+        s = EngineScore("dflash-llama runtime", 2, 2 + sum(j + 1 for j, n in enumerate(hist) for _ in range(n)),
+                        sum(hist), 70, 0, 1.0, exact=True, accepted_hist=hist)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "eval.json").write_text(json.dumps({"scores": [s.to_json()]}))
+    assert s.acceptance_by_position() == [0.6, 0.4, 0.2, 0.0, 0.0, 0.0, 0.0]
+    table = write_comparison({"DFlash 1": tmp_path / "d1", "DFlash 2": tmp_path / "d2"}, tmp_path / "report")
+    assert "| DFlash 2 | 2 | 2.200 | 0.000 | yes | 0.600 | 0.400 | 0.200 | 0.000 |" in table.read_text()
+    assert (tmp_path / "report" / "acceptance_by_position.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="has no 'other' score"):
+        write_comparison({"x": tmp_path / "d1"}, tmp_path / "r2", engine="other")

@@ -228,3 +228,44 @@ def _keep_other_engines(ev: DraftEvaluation, path: Path) -> None:
     kept = [EngineScore(**{k: v for k, v in s.items() if k in fields}) for s in old["scores"]
             if s["engine"] not in names]
     ev.scores[:0] = kept
+
+
+def write_comparison(drafts: dict[str, Path], out: Path, engine: str = "dflash-llama runtime") -> Path:
+    """Several evaluated drafts side by side: OUT/README.md (their `engine` scores) and
+    OUT/acceptance_by_position.png (the share of verifies accepting drafted token k, per draft).
+    drafts: label -> a folder holding the eval.json of `dflash-llama train --eval-only`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fields = set(EngineScore.__dataclass_fields__)
+    scores = {}
+    for label, folder in drafts.items():
+        recorded = json.loads((Path(folder) / "eval.json").read_text())["scores"]
+        found = [s for s in recorded if s["engine"] == engine]
+        if not found:
+            raise ValueError(f"{folder}/eval.json has no {engine!r} score")
+        scores[label] = EngineScore(**{k: v for k, v in found[0].items() if k in fields})
+    out.mkdir(parents=True, exist_ok=True)
+    rows = ["| draft | prompts | tau | acceptance rate | exact | " +
+            " | ".join(f"pos {k}" for k in range(1, 8)) + " |", "|---|---:|---:|---:|---|" + "---:|" * 7]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, s in scores.items():
+        by_pos = s.acceptance_by_position()
+        exact = "" if s.exact is None else ("yes" if s.exact else "NO")
+        cells = " | ".join(f"{p:.3f}" for p in by_pos) if by_pos else " | ".join(["n/a"] * 7)
+        rows.append(f"| {label} | {s.prompts} | {s.tau:.3f} | {s.acceptance_rate:.3f} | {exact} | {cells} |")
+        if by_pos:
+            ax.plot(range(1, len(by_pos) + 1), by_pos, marker="o", label=f"{label} (tau {s.tau:.3f})")
+    ax.set_xlabel("drafted token k")
+    ax.set_ylabel("share of verifies accepting token k")
+    ax.set_title(f"HumanEval acceptance by position ({engine})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_by_position.png", dpi=120)
+    plt.close(fig)
+    table = out / "table.md"
+    table.write_text("\n".join(rows) + "\n")
+    return table
