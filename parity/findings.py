@@ -4,6 +4,7 @@ runnable reproduction per finding of docs/upstream_status.md.
     python -m dflash_llama.parity.findings            # all
     python -m dflash_llama.parity.findings U3 U5      # some
     python -m dflash_llama.parity.findings --patched  # each on the pinned build and on patches/series
+    python -m dflash_llama.parity.findings --dflash2-study [PAIR [N]]  # DFlash 2 drafts at each n_max
 
 Each prints what it measured and whether the divergence is present; the exit status is the number
 of findings reproduced (0 once llama.cpp has fixed them all). With `--patched`, each finding the
@@ -310,6 +311,22 @@ def u10_dflash2_default_block() -> bool:
     return short["mean_agreement"] < 1.0 or short["tau_cap"] < full["tau_cap"]
 
 
+def dflash2_study_table(out: dict) -> str:
+    """The study as markdown: one row per --spec-draft-n-max, then p-min and ties."""
+    lines = [f"{out['pair']}: B = {out['block_size']}, top-K {out['top_k']}, {out['contexts']} contexts", "",
+             "| n_max | block | agreement with the reference at B | per position | tau were the reference's drafts "
+             "the target's | tau cap |", "|---:|---:|---:|---|---:|---:|"]
+    for r in out["rows"]:
+        lines.append(f"| {r['n_max']} | {r['block']} | {r['mean_agreement']:.1%} | {_pct(r['agreement'])} | "
+                     f"{r['tau_if_reference_exact']:.2f} | {r['tau_cap']} |")
+    lines += ["", f"mean walk confidence (softmax at the argmax) {out['mean_walk_confidence']:.3f}; mean drafted "
+              "length under --spec-draft-p-min: " + ", ".join(f"{p} -> {n:.2f}" for p, n in
+                                                            out["p_min_mean_drafted"].items())
+              + f" (of {out['block_size'] - 1}); exact ties in the walks: llama.cpp {out['ties']['native']}, "
+              f"reference {out['ties']['reference']} of {out['ties']['steps']} steps"]
+    return "\n".join(lines)
+
+
 def _pct(xs) -> str:
     return "/".join(f"{x:.0%}" for x in xs)
 
@@ -343,6 +360,10 @@ def _last(r, key: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
+    if argv[:1] == ["--dflash2-study"]:  # [PAIR [N_CONTEXTS]]: the acceptance study's table
+        pair = argv[1] if len(argv) > 1 else DFLASH2_STUDY_PAIR
+        print(dflash2_study_table(dflash2_acceptance_study(pair, int(argv[2]) if len(argv) > 2 else 24)))
+        return 0
     on_patched = "--patched" in argv
     names = [a for a in argv if a != "--patched"] or list(FINDINGS)
     unknown = [n for n in names if n not in FINDINGS]

@@ -46,11 +46,19 @@ def test_u9_pinned_converter_cannot_read_speculators_dflash2(capsys):
         "bytes: True\n")
 
 
+def test_u10_dflash2_default_block_drafts_other_tokens(capsys):
+    assert findings.u10_dflash2_default_block()
+    assert capsys.readouterr().out == (
+        "U10: tiny-dflash2-f32 (B = 8, top-K 4), 8 contexts: llama.cpp's drafts against the reference's at B: "
+        "n_max 7 agrees at 100% of positions, n_max 3 (default) at 4% (per position 0%/0%/12%); tau were the "
+        "reference's drafts the target's: 8.00 vs 1.00 (cap 4)\n")
+
+
 def test_main_counts_and_refuses_unknown(capsys):
     assert findings.main(["U4", "U5"]) == 2
     assert capsys.readouterr().out.count("REPRODUCED") == 2
     assert findings.main(["U99"]) == 255
-    assert "unknown finding(s) U99; known: U1, U2, U3, U4, U5, U7, U9" in capsys.readouterr().err
+    assert "unknown finding(s) U99; known: U1, U2, U3, U4, U5, U7, U9, U10" in capsys.readouterr().err
 
 
 def test_u5_patch_applies_to_the_pinned_tree():
