@@ -219,13 +219,9 @@ def prefix_match(a: list[int], b: list[int]) -> int:
 def lattice_confidence(packed: np.ndarray, k: int) -> list[float]:
     """The softmax probability of each step of llama.cpp's walk at its argmax, as draft-dflash
     compares it with --spec-draft-p-min (1 / sum(exp(s - s_max)))."""
-    rows = np.asarray(packed, dtype=np.float64)[1:]
-    out, pred = [], 0
-    for row in rows:
-        scores = row[k + pred * k:k + (pred + 1) * k]
-        pred = int(np.argmax(scores))
-        out.append(float(1.0 / np.exp(scores - scores[pred]).sum()))
-    return out
+    from .graph import llama_walk_steps
+
+    return [float(1.0 / np.exp(scores - scores.max()).sum()) for _, scores in llama_walk_steps(packed, k)]
 
 
 def dflash2_acceptance_study(pair: str = DFLASH2_STUDY_PAIR, n_contexts: int = 24,
@@ -242,7 +238,7 @@ def dflash2_acceptance_study(pair: str = DFLASH2_STUDY_PAIR, n_contexts: int = 2
     from dflash_llama.reference.gguf_tensors import target_weights_from_gguf
 
     from . import registry
-    from .graph import drafted_tokens, reference_trace
+    from .graph import LLAMA_LATTICE, drafted_tokens, llama_walk_steps, reference_trace
     from .native import NativeDraft
 
     pairs, defaults = registry.load()
@@ -276,13 +272,8 @@ def dflash2_acceptance_study(pair: str = DFLASH2_STUDY_PAIR, n_contexts: int = 2
             agree[n] += np.array([a == b for a, b in zip(got[:m], want[:m])], dtype=float)
             accepted[n] += 1 + prefix_match(got, want)
             if n == B - 1:
-                conf.append(lattice_confidence(trace["dflash2_lattice"], k))
-                packed = np.asarray(trace["dflash2_lattice"], dtype=np.float64)[1:]
-                pred = 0
-                for row in packed:
-                    s = row[k + pred * k:k + (pred + 1) * k]
-                    ties += int((s == s.max()).sum() > 1)
-                    pred = int(np.argmax(s))
+                conf.append(lattice_confidence(trace[LLAMA_LATTICE], k))
+                ties += sum(int((s == s.max()).sum() > 1) for _, s in llama_walk_steps(trace[LLAMA_LATTICE], k))
     n_ctx = len(starts)
     conf_arr = np.array(conf)  # [contexts, B - 1]
     truncated = {p: float(np.mean([next((i for i, c in enumerate(row) if c < p), len(row)) for row in conf_arr]))

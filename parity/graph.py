@@ -234,10 +234,16 @@ def compare_selectors(traces: dict[str, dict[str, np.ndarray]], anchor: int, top
 
 def walk_llama_lattice(packed: np.ndarray, k: int) -> list[int]:
     """The greedy walk llama.cpp's draft-dflash loop does over its packed lattice (first maximum)."""
+    return [token for token, _ in llama_walk_steps(packed, k)]
+
+
+def llama_walk_steps(packed: np.ndarray, k: int) -> list[tuple[int, np.ndarray]]:
+    """Each step of that walk: the token it takes and the K scores it chose from (the row of the
+    previous pick, the anchor's for the first slot)."""
     rows = np.asarray(packed, dtype=np.float64)[1:]
-    path, pred = [], 0
+    steps, pred = [], 0
     for row in rows:
         scores = row[k + pred * k:k + (pred + 1) * k]
         pred = int(np.argmax(scores))
-        path.append(int(round(row[pred])))
-    return path
+        steps.append((int(round(row[pred])), scores))
+    return steps
