@@ -9,6 +9,7 @@ one), and every registry fixture pair exact through the patched tool.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import tempfile
@@ -177,6 +178,55 @@ def show_u7(patched: Build) -> dict:
     return _show_capture(patched, *gemma3_fixture(), "gemma3 target")
 
 
+def _speculators_copy(hf: Path, out_dir: Path, verifier_copies: bool) -> Path:
+    """`hf` saved again in speculators' format under the same folder name (the same general.name),
+    with the verifier's frozen copies speculators may save (embed_tokens, lm_head, verifier_norm)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dflash_llama import fixtures
+
+    spec = fixtures.speculators_draft_hf(out_dir / hf.name, hf)
+    if verifier_copies:
+        tensors = load_file(spec / "model.safetensors")
+        n_vocab, n_embd = json.loads((hf / "config.json").read_text())["vocab_size"], tensors["fc.weight"].shape[0]
+        tensors.update({"embed_tokens.weight": torch.ones(n_vocab, n_embd), "verifier_norm.weight": torch.ones(n_embd),
+                        "lm_head.weight": torch.ones(n_vocab, n_embd)})
+        save_file(dict(sorted(tensors.items())), str(spec / "model.safetensors"), metadata={"format": "pt"})
+    return spec
+
+
+def show_u9(patched: Build) -> dict:
+    """U9 before and after: each build's converter on speculators-format drafts (DFlash 2 as saved,
+    DFlash 1 with the verifier's copies): the patched one writes the bytes of the z-lab format's
+    conversion (ours, byte-identical to the pinned converter's on z-lab's format)."""
+    from dflash_llama import fixtures
+
+    from .findings import tiny_fixture
+
+    drafts = {"dflash2": tiny_fixture("u9", variant="dflash2", layers=1, target_layer_ids=[1], seed=49),
+              "dflash": tiny_fixture("u9-dflash1", layers=1, target_layer_ids=[1], seed=49)}
+    out: dict = {b.name: {} for b in _builds(patched)}
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant, (target_hf, _, hf, zlab_gguf) in drafts.items():
+            spec = _speculators_copy(hf, Path(tmp) / variant, verifier_copies=variant == "dflash")
+            for build in _builds(patched):
+                gguf = Path(tmp) / f"{variant}-{build.name}.gguf"
+                try:
+                    fixtures.run_pinned_converter([str(spec), "--target-model-dir", str(target_hf), "--outfile",
+                                                   str(gguf), "--outtype", "f32"], script=build.converter)
+                except RuntimeError as e:
+                    out[build.name][variant] = "failed: " + str(e).strip().splitlines()[-1]
+                    continue
+                same = "same bytes as" if gguf.read_bytes() == zlab_gguf.read_bytes() else "DIFFERENT bytes from"
+                out[build.name][variant] = f"{same} the z-lab copy's conversion"
+    out["fixed"] = (out["pinned"]["dflash2"].startswith("failed") and
+                    all(r.startswith("same") for r in out["patched"].values()))
+    out["lines"] = [f"{n:8s} converter on a speculators-format {v} draft: {r}"
+                    for n in ("pinned", "patched") for v, r in out[n].items()]
+    return out
+
+
 def show_u5(patched: Build) -> dict:
     """U5 before and after: drafts at --spec-draft-n-max 3 against the first 3 of the full block."""
     from .findings import PROMPT, tiny_fixture
@@ -244,7 +294,7 @@ def _fixture_lines(build: Build, result: dict[str, dict]) -> list[str]:
 SHOW = {"U1": ("u1-dflash-default-target-layers.patch", show_u1), "U2": ("u2-dflash-last-layer-tap.patch", show_u2),
         "U3": ("u3-dflash-causal-sliding-layers.patch", show_u3),
         "U4": ("u4-dflash1-logit-scale.patch", show_u4), "U5": ("u5-dflash-full-block.patch", show_u5),
-        "U7": ("u7-gemma3-layer-inputs.patch", show_u7)}
+        "U7": ("u7-gemma3-layer-inputs.patch", show_u7), "U9": ("u9-dflash-speculators-format.patch", show_u9)}
 
 
 def show(findings: list[str], patched: Build) -> int:

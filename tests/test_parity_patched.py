@@ -41,7 +41,8 @@ def test_series_names_every_patch_in_order():
     names = [p.name for p in patched.series()]
     assert names == ["u1-dflash-default-target-layers.patch", "u2-dflash-last-layer-tap.patch",
                      "u3-dflash-causal-sliding-layers.patch", "u4-dflash1-logit-scale.patch",
-                     "u5-dflash-full-block.patch", "u7-gemma3-layer-inputs.patch"]
+                     "u5-dflash-full-block.patch", "u7-gemma3-layer-inputs.patch",
+                     "u9-dflash-speculators-format.patch"]
     assert sorted(names) == sorted(p.name for p in patched.PATCHES.glob("*.patch"))
     assert {f: patch for f, (patch, _) in patched.SHOW.items()} == {
         f"U{n[1]}": n for n in names}  # one patch per finding, every finding of findings.py patched
@@ -72,6 +73,19 @@ def test_u1_converter_writes_the_default_taps(build):
     assert "DFlash model requires 'target_layers' in GGUF metadata" in u1["pinned"]["error"]
     assert u1["patched"] == {"exit": 0, "exact": True, "target_layers": [2, 2]}  # HF ids [1, 1] + 1
     assert u1["fixed"]
+
+
+def test_u9_converter_reads_speculators_drafts(build):
+    """The patched converter writes, from speculators' format (DFlash 2 as saved, DFlash 1 with the
+    verifier's copies), the bytes of the z-lab copy's conversion; the pinned one fails on both."""
+    build, _ = build
+    u9 = patched.show_u9(build)
+    assert u9["pinned"] == {
+        "dflash2": "failed: KeyError: \"could not find any of: ['n_layers', 'num_hidden_layers', 'n_layer', "
+                   "'num_layers']\"",
+        "dflash": "failed: ERROR:hf-to-gguf:Model DFlashSpeculator is not supported"}
+    assert u9["patched"] == {v: "same bytes as the z-lab copy's conversion" for v in ("dflash2", "dflash")}
+    assert u9["fixed"]
 
 
 @pytest.mark.parametrize("show", [patched.show_u2, patched.show_u7], ids=["U2", "U7"])
