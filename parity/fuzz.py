@@ -7,11 +7,16 @@ Four targets, each fed mutants of the tiny f32 qwen3 pair of `dflash_llama.fixtu
 - `gguf_info`: a mutated draft or target GGUF -> `dflash_llama.gguf_info` in a child Python;
 - `converter`: a mutated HF draft directory -> `dflash_llama.converter.convert` in a child Python.
 
-Mutant `index` of `seed` is a pure function of (target, seed, index), so any one of them is rebuilt with
-`python -m dflash_llama.parity.fuzz --target T --seed S --index I --keep DIR`. Each runs in its own child
-process (timeout, address-space limit) and is classified (see `CATEGORIES`); a run that succeeds is
-checked: the CLI's tokens against plain greedy decoding of the same target (`--no-draft`), the
-converter's weights against the `safetensors` library's reading of the same checkpoint.
+`--variant dflash2` puts a DFlash 2 draft in the pair (grouped dynamic convolutions, candidate selector;
+`VARIANT_DRAFTS`), and the converter's seeds are its checkpoint in z-lab's and in vLLM speculators'
+format; half of the draft and converter mutants then aim at what DFlash 2 adds (its four sizes, its conv and selector
+tensors: shapes, types, data; the speculators keys).
+
+Mutant `index` of `seed` is a pure function of (variant, target, seed, index), so any one of them is
+rebuilt with `python -m dflash_llama.parity.fuzz [--variant V] --target T --seed S --index I --keep DIR`.
+Each runs in its own child process (timeout, address-space limit) and is classified (see `CATEGORIES`);
+a run that succeeds is checked: the CLI's tokens against plain greedy decoding of the same target
+(`--no-draft`), the converter's weights against the `safetensors` library's reading of the same checkpoint.
 """
 
 from __future__ import annotations
@@ -57,45 +62,69 @@ PROMPT, N_PREDICT = "hi", 4
 
 # --- the seed corpus --------------------------------------------------------------------------------
 
+VARIANTS = tuple(schema.VARIANTS)  # the draft variants a corpus can hold
+# the seed draft of each variant (fixtures.TinyDraftConfig's fields; the DFlash 1 one: the defaults)
+# (speculators' format needs the taps written: the DFlash 2 draft lists its one, target layer 1)
+VARIANT_DRAFTS = {"dflash": {}, "dflash2": dict(variant="dflash2", conv_kernel_size=2, conv_group_size=16,
+                                                selector_rank=16, selector_top_k=4, identity_conv=False,
+                                                target_layer_ids=[1])}
+
+
 @dataclass(frozen=True)
 class Corpus:
     target_hf: Path
     target_gguf: Path
     draft_hf: Path
     draft_gguf: Path  # draft_hf converted against target_gguf, f32
+    variant: str = "dflash"
+    speculators_hf: Path | None = None  # draft_hf saved in vLLM speculators' format (DFlash 2 corpora)
+
+    def converter_seeds(self) -> tuple[Path, ...]:
+        """The HF draft directories the converter's mutants start from (each converts to draft_gguf)."""
+        return (self.draft_hf,) + ((self.speculators_hf,) if self.speculators_hf else ())
 
 
-def corpus_from(target_hf: Path, target_gguf: Path, draft_hf: Path, work: Path) -> Corpus:
-    """A corpus around existing fixtures: converts the draft (f32) into `work` unless done."""
+def corpus_from(target_hf: Path, target_gguf: Path, draft_hf: Path, work: Path, variant: str = "dflash") -> Corpus:
+    """A corpus around existing fixtures: converts the draft (f32) into `work` unless done; a DFlash 2
+    draft is also saved in speculators' format there."""
+    from dflash_llama import fixtures
     from dflash_llama.converter import convert
 
-    draft_gguf = Path(work) / "draft.gguf"
+    work = Path(work)
+    draft_gguf = work / "draft.gguf"
     if not draft_gguf.exists():
         convert(draft_hf, target_gguf, draft_gguf, outtype="f32")
-    return Corpus(Path(target_hf), Path(target_gguf), Path(draft_hf), draft_gguf)
+    speculators = None
+    if variant == "dflash2":
+        speculators = work / "speculators_hf"
+        if not (speculators / "model.safetensors").exists():
+            fixtures.speculators_draft_hf(speculators, draft_hf)
+    return Corpus(Path(target_hf), Path(target_gguf), Path(draft_hf), draft_gguf, variant, speculators)
 
 
-def build_corpus(work: Path) -> Corpus:
-    """The tiny f32 pair in `work`, built once (keyed by the fixtures' source) and reused."""
+def build_corpus(work: Path, variant: str = "dflash") -> Corpus:
+    """The tiny f32 pair of `variant` in `work`, built once (keyed by the fixtures' source and the
+    seed draft's settings) and reused."""
     from dflash_llama import fixtures
 
     work = Path(work)
     stamp = work / "corpus.json"
     key = hashlib.sha256(Path(fixtures.__file__).read_bytes()).hexdigest()[:16]
-    if stamp.exists() and json.loads(stamp.read_text()).get("fixtures") == key:
-        return Corpus(work / "target_hf", work / "target.gguf", work / "draft_hf", work / "draft.gguf")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    target_hf = fixtures.tiny_target_hf(work / "target_hf")
-    target_gguf = fixtures.tiny_target_gguf(target_hf, work / "target.gguf", outtype="f32")
-    draft_hf = fixtures.tiny_draft_hf(work / "draft_hf", target_hf)
-    corpus = corpus_from(target_hf, target_gguf, draft_hf, work)
-    stamp.write_text(json.dumps({"fixtures": key}) + "\n")
+    want = {"fixtures": key, "variant": variant, "draft": VARIANT_DRAFTS[variant]}
+    if not (stamp.exists() and json.loads(stamp.read_text()) == want):
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        target_hf = fixtures.tiny_target_hf(work / "target_hf")
+        fixtures.tiny_target_gguf(target_hf, work / "target.gguf", outtype="f32")
+        fixtures.tiny_draft_hf(work / "draft_hf", target_hf, fixtures.TinyDraftConfig(**VARIANT_DRAFTS[variant]))
+    corpus = corpus_from(work / "target_hf", work / "target.gguf", work / "draft_hf", work, variant)
+    stamp.write_text(json.dumps(want) + "\n")
     return corpus
 
 
-def default_work_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflash-llama" / "fuzz-corpus"
+def default_work_dir(variant: str = "dflash") -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflash-llama" / "fuzz-corpus"
+    return base if variant == "dflash" else base.with_name(f"fuzz-corpus-{variant}")
 
 
 # --- a GGUF header walk (our own: mutants must hold what gguf-py would refuse to write) -------------
@@ -363,6 +392,57 @@ GGUF_MUTATORS = (m_kv_value, m_kv_value, m_kv_type, m_kv_array, m_kv_string, m_k
                  m_header)
 
 
+# --- DFlash 2 mutators: what DFlash 2 adds (half of a DFlash 2 draft's structural mutants) ---------------
+
+DFLASH2_SIZES = tuple(k.encode() for k in schema.DFLASH2_KEYS)
+# around the seed's sizes (K 2, G 16, rank 16, top-K 4; n_embd 64) and the bounds the readers check
+DFLASH2_VALUES = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 15, 16, 17, 20, 21, 32, 63, 64, 65, 128, 49152, 49153, 2**16,
+                  2**31 - 1, 2**31, 2**32 - 1, 2**32 + 4, 2**63)
+TENSOR_DATA = (math.nan, math.inf, -math.inf, 3e38, -3e38, 0.0, 1e-45)
+DFLASH2_TENSORS = (b"conv_", b"selector_")  # in the GGUF names of its conv and selector tensors
+
+
+def m_dflash2_size(rng, g, extra_keys):
+    """One of DFlash 2's four sizes: another value (as U32 mostly, or another type), or deleted."""
+    i = rng.choice([i for i, (k, _, _) in enumerate(g.kvs) if k in DFLASH2_SIZES])
+    key = g.kvs[i][0]
+    if rng.random() < 0.1:
+        del g.kvs[i]
+        g.n_kv = len(g.kvs)
+        return f"{key.decode()} deleted"
+    vtype = U32 if rng.random() < 0.8 else rng.choice((U16, I32, U64, I64, F32, BOOL))
+    value = 1 if vtype == BOOL else rng.choice((2.0, 4.5, math.nan)) if vtype == F32 else rng.choice(DFLASH2_VALUES)
+    g.kvs[i] = (key, vtype, value)
+    return f"{key.decode()} = {value!r} as {TYPE_NAMES[vtype]}"
+
+
+def m_dflash2_tensor(rng, g, extra_keys):
+    """A conv or selector tensor: its data (one value or all set to NaN, inf, 3e38, 0, a denormal),
+    one dimension off, its dimensions swapped, or its type."""
+    t = rng.choice([t for t in g.tensors if any(h in t[0] for h in DFLASH2_TENSORS)])
+    name = t[0].decode()
+    op = rng.choice(("data", "data", "data", "dimension", "swap", "type"))
+    if op == "data" and t[2] == 0:  # f32, as in the seed
+        n, value = math.prod(t[1]), rng.choice(TENSOR_DATA)
+        start, count = (t[3] + 4 * rng.randrange(n), 1) if rng.random() < 0.5 else (t[3], n)
+        data = bytearray(g.data)
+        data[start:start + 4 * count] = struct.pack("<f", value) * count
+        g.data = bytes(data)
+        return f"tensor {name} data: {'all' if count > 1 else 'one'} = {value!r}"
+    if op == "dimension":
+        j = rng.randrange(len(t[1]))
+        t[1][j] = rng.choice((0, 1, t[1][j] - 1, t[1][j] + 1, t[1][j] * 2))
+    elif op == "swap" and len(t[1]) > 1:
+        t[1].reverse()
+    else:
+        t[2] = rng.choice(TENSOR_TYPES)
+        return f"tensor {name} type {t[2]}"
+    return f"tensor {name} shape {op} -> {t[1]}"
+
+
+DFLASH2_MUTATORS = (m_dflash2_size, m_dflash2_tensor, m_dflash2_tensor)
+
+
 # --- raw mutators: bytes, mostly inside the header --------------------------------------------------
 
 def _position(rng: random.Random, size: int, header_end: int) -> int:
@@ -398,7 +478,8 @@ def mutate_gguf(seed_path: Path, rng: random.Random, extra_keys: list[bytes]) ->
     g = copy.copy(parsed)
     g.kvs = list(parsed.kvs)
     g.tensors = [[n, list(d), t, o] for n, d, t, o in parsed.tensors]
-    mutator = rng.choice(GGUF_MUTATORS)
+    dflash2 = any(k in DFLASH2_SIZES for k, _, _ in parsed.kvs)  # a DFlash 1 seed draws as before
+    mutator = rng.choice(DFLASH2_MUTATORS if dflash2 and rng.random() < 0.5 else GGUF_MUTATORS)
     what = mutator(rng, g, extra_keys)
     return serialize_gguf(g), f"{mutator.__name__[2:]}: {what}"
 
@@ -419,6 +500,13 @@ JSON_VALUES = (0, -1, 1, 2**31, 2**32 + 8, 2**63, 10**12, 1e308, math.nan, math.
 CONFIG_KEYS = ("num_hidden_layers", "target_layer_ids", "layer_types", "sliding_window", "rope_parameters",
                "rope_scaling", "block_size", "mask_token_id", "num_target_layers", "use_sliding_window",
                "is_causal", "head_dim", "architectures", "torch_dtype")
+SIZE_NAMES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # DFlash 2's, in config.json
+# speculators' own keys (its DFlash 2 sizes at the top level too)
+SPECULATORS_KEYS = ("speculators_model_type", "aux_hidden_state_layer_ids", "transformer_layer_config",
+                    "sliding_window_non_causal", "sample_from_anchor", "draft_vocab_size", "target_hidden_size",
+                    "block_size", "mask_token_id", "architectures")
+DFLASH2_JSON = (0, 1, 2, 3, 5, 8, 17, 32, 64, 65, 2**31, 10**12, -1, 1.5, "4", None, True, False, [], {}, [0], [2],
+                [5], [2, 2], "dflash", "dflash2", "dspark", "llama")
 
 
 def _config_paths(cfg: dict) -> list[tuple]:
@@ -445,16 +533,21 @@ def _mutate_config(rng: random.Random, d: Path) -> str:
         path.write_bytes(raw[0])
         return f"config.json {raw[1]}"
     keys = rng.choice(_config_paths(cfg))
+    return _put(path, cfg, keys, None if op == "delete" else rng.choice(JSON_VALUES), op == "delete")
+
+
+def _put(path: Path, cfg: dict, keys: tuple, value, delete: bool = False) -> str:
+    """config.json with `keys` (a path into nested objects, made where missing) set to `value` or deleted."""
     node = cfg
     for k in keys[:-1]:
         if not isinstance(node.get(k), dict):
             node[k] = {}
         node = node[k]
-    if op == "delete":
+    if delete:
         node.pop(keys[-1], None)
         value = "deleted"
     else:
-        value = node[keys[-1]] = rng.choice(JSON_VALUES)
+        node[keys[-1]] = value
     path.write_text(json.dumps(cfg))
     return f"config.json {'.'.join(keys)} = {value!r:.40}"
 
@@ -518,9 +611,74 @@ def _mutate_files(rng: random.Random, d: Path) -> str:
     return op
 
 
-def mutate_hf_dir(rng: random.Random, seed_dir: Path, out_dir: Path) -> tuple[str, bool]:
-    """Copy the seed draft directory and corrupt it; returns (what, only the weights were touched)."""
+def _dflash2_config(rng: random.Random, d: Path) -> str:
+    """A DFlash 2 key of config.json (a size; in speculators' format its own keys and the layer config's)
+    set to an odd value, or deleted."""
+    path = d / "config.json"
+    cfg = json.loads(path.read_text())
+    if "speculators_model_type" in cfg:
+        keys = [(k,) for k in SIZE_NAMES + SPECULATORS_KEYS] + [
+            ("transformer_layer_config", k) for k in ("hidden_size", "num_hidden_layers", "vocab_size", "model_type",
+                                                      "layer_types", "head_dim")]
+    else:
+        keys = [("dflash_config", k) for k in SIZE_NAMES] + [(k,) for k in SIZE_NAMES + ("architectures",)]
+    keys = rng.choice(keys)
+    delete = rng.random() < 0.15
+    return _put(path, cfg, keys, None if delete else rng.choice(DFLASH2_JSON), delete)
+
+
+# speculators' extra tensors: the verifier's copies, a reduced vocabulary's map, mask and head
+EXTRA_TENSORS = (("d2t", "I64", [49152]), ("d2t", "I64", [7]), ("t2d", "BOOL", [49152]), ("t2d", "BOOL", [7]),
+                 ("embed_tokens.weight", "BF16", [49152, 64]), ("verifier_lm_head.weight", "BF16", [49152, 64]),
+                 ("lm_head.weight", "BF16", [49152, 64]), ("lm_head.weight", "BF16", [7, 64]),
+                 ("verifier_norm.weight", "BF16", [64]), ("model.candidate_selector.hidden_projection.weight", "BF16",
+                                                          [16, 64]))
+DTYPE_BYTES = {"I64": 8, "BOOL": 1, "BF16": 2, "F32": 4}
+
+
+def _dflash2_tensors(rng: random.Random, d: Path) -> str:
+    """A conv or selector tensor of the safetensors header: shape or dtype changed, deleted, its name
+    with `.weight` added or dropped (the codebooks' two spellings); or a tensor speculators may save added."""
+    path = d / "model.safetensors"
+    blob = path.read_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    header, data = json.loads(blob[8:8 + n]), blob[8 + n:]
+    names = [k for k in header if "conv" in k or "candidate_selector" in k]
+    name = rng.choice(names)
+    op = rng.choice(("shape", "dtype", "delete", "spelling", "add", "add"))
+    if op == "shape":
+        shape = header[name]["shape"]
+        j = rng.randrange(len(shape))
+        shape[j] = rng.choice((0, 1, shape[j] - 1, shape[j] + 1, shape[j] * 2))
+    elif op == "dtype":
+        header[name]["dtype"] = rng.choice(("F32", "F16", "I64", "BOOL", "U8"))
+    elif op == "delete":  # with its data: the file stays well-formed, the tensor is missing
+        b, e = header.pop(name)["data_offsets"]
+        for entry in (v for k, v in header.items() if k != "__metadata__" and v["data_offsets"][0] >= e):
+            entry["data_offsets"] = [o - (e - b) for o in entry["data_offsets"]]
+        data = data[:b] + data[e:]
+    elif op == "spelling":
+        other = name.removesuffix(".weight") if name.endswith(".weight") else name + ".weight"
+        header[other] = header.pop(name) if rng.random() < 0.5 else dict(header[name])
+        name = f"{name} -> {other}"
+    else:
+        name, dtype, shape = rng.choice(EXTRA_TENSORS)
+        size = math.prod(shape) * DTYPE_BYTES[dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + size]}
+        data += bytes(size)  # zeros: d2t offsets 0 (ids 0..k-1), an empty t2d, zero weights
+    head = json.dumps(header).encode()
+    path.write_bytes(len(head).to_bytes(8, "little") + head + data)
+    return f"model.safetensors {name} {op}"
+
+
+def mutate_hf_dir(rng: random.Random, seed_dir: Path, out_dir: Path, dflash2: bool = False) -> tuple[str, bool]:
+    """Copy the seed draft directory and corrupt it; returns (what, only the weights were touched).
+    dflash2: half the mutants aim at DFlash 2's keys and tensors."""
     shutil.copytree(seed_dir, out_dir)
+    if dflash2 and rng.random() < 0.5:
+        if rng.random() < 0.6:
+            return _dflash2_config(rng, out_dir), False
+        return _dflash2_tensors(rng, out_dir), True
     kind = rng.choices(("config", "safetensors", "files"), (0.45, 0.45, 0.1))[0]
     if kind == "config":
         return _mutate_config(rng, out_dir), False
@@ -649,6 +807,7 @@ class Outcome:
     names_file: bool = True  # a clean error names the mutated file
     repro: str = ""  # the command that reruns the mutant without the harness
     kept: str = ""  # where the mutant was kept
+    variant: str = "dflash"  # of the corpus's draft
 
 
 @dataclass(frozen=True)
@@ -737,7 +896,11 @@ SENTINEL = b"an earlier conversion: a failed one must leave it as it is\n"
 def _run_converter(job: Job, rng: random.Random, scratch: Path) -> tuple[Outcome, list[str]]:
     c = job.corpus
     mutant = scratch / "mutant_hf"
-    what, weights_only = mutate_hf_dir(rng, c.draft_hf, mutant)
+    seeds = c.converter_seeds()
+    seed_dir = seeds[0] if len(seeds) == 1 else rng.choice(seeds)  # a DFlash 1 corpus draws as before
+    what, weights_only = mutate_hf_dir(rng, seed_dir, mutant, dflash2=c.variant == "dflash2")
+    if seed_dir == c.speculators_hf:
+        what = f"speculators format: {what}"
     (scratch / "out").mkdir()
     out = scratch / "out" / "draft.gguf"
     out.write_bytes(SENTINEL)
@@ -747,7 +910,7 @@ def _run_converter(job: Job, rng: random.Random, scratch: Path) -> tuple[Outcome
     left = sorted(p.name for p in out.parent.iterdir())
     if category == "ran":
         if weights_only:
-            category, cause = _check_weights(mutant, out, c, job.opts)
+            category, cause = _check_weights(mutant, out, seed_dir, c.draft_gguf, job.opts)
     elif not out.is_file() or out.read_bytes() != SENTINEL:
         category, cause = "wrong", f"a failed conversion destroyed the existing output ({cause})"
     elif category != "hang" and left != ["draft.gguf"]:
@@ -757,11 +920,11 @@ def _run_converter(job: Job, rng: random.Random, scratch: Path) -> tuple[Outcome
                      f"convert({str(mutant)!r}, {str(c.target_gguf)!r}, {str(out)!r}, outtype='f32')"]
 
 
-def _check_weights(mutant: Path, out: Path, c: Corpus, opts: Options) -> tuple[str, str]:
-    """A converted weights-only mutant against the safetensors library's reading of it."""
+def _check_weights(mutant: Path, out: Path, seed_dir: Path, seed_gguf: Path, opts: Options) -> tuple[str, str]:
+    """A converted weights-only mutant of `seed_dir` against the safetensors library's reading of it."""
     oracle = Options(timeout=max(opts.timeout, 120), as_limit_gib=0)  # torch's import is slow under load
-    rc, stdout, err = run_child([sys.executable, "-c", ORACLE_CHILD, str(mutant), str(out), str(c.draft_hf),
-                                 str(c.draft_gguf)], oracle)
+    rc, stdout, err = run_child([sys.executable, "-c", ORACLE_CHILD, str(mutant), str(out), str(seed_dir),
+                                 str(seed_gguf)], oracle)
     if rc != 0:
         return "wrong", f"the safetensors check failed on the converter's input: {classify_exit(rc, err, True, oracle)}"
     verdict = stdout.strip().splitlines()[-1] if stdout.strip() else ""
@@ -773,16 +936,23 @@ def _check_weights(mutant: Path, out: Path, c: Corpus, opts: Options) -> tuple[s
 RUNNERS = {"draft": _run_cli, "target": _run_cli, "gguf_info": _run_gguf_info, "converter": _run_converter}
 
 
-def reproduction(target: str, seed: int, index: int) -> str:
-    return f"python -m dflash_llama.parity.fuzz --target {target} --seed {seed} --index {index} --keep DIR"
+def reproduction(target: str, seed: int, index: int, variant: str = "dflash") -> str:
+    flag = "" if variant == "dflash" else f" --variant {variant}"
+    return f"python -m dflash_llama.parity.fuzz{flag} --target {target} --seed {seed} --index {index} --keep DIR"
+
+
+def mutant_rng(variant: str, target: str, seed: int, index: int) -> random.Random:
+    """The random source of one mutant (DFlash 1's as before variants existed)."""
+    return random.Random(("" if variant == "dflash" else f"{variant}:") + f"{target}/{seed}/{index}")
 
 
 def run_mutant(job: Job) -> Outcome:
-    """Build mutant (target, seed, index), run it in a child, classify it; keep its files if asked."""
-    rng = random.Random(f"{job.target}/{job.seed}/{job.index}")
+    """Build mutant (variant, target, seed, index), run it in a child, classify it; keep its files if asked."""
+    rng = mutant_rng(job.corpus.variant, job.target, job.seed, job.index)
     scratch = Path(tempfile.mkdtemp(prefix=f"mutant-{job.target}-{job.seed}-{job.index}-", dir=job.work))
     try:
         outcome, cmd = RUNNERS[job.target](job, rng, scratch)  # cmd: the child's call, without the harness
+        outcome.variant = job.corpus.variant
         outcome.repro = shlex.join(cmd)
         if job.keep and (job.keep_always or outcome.category in FAILURES):
             kept = Path(job.keep) / f"{job.target}-s{job.seed}-i{job.index}"
@@ -791,7 +961,7 @@ def run_mutant(job: Job) -> Outcome:
             outcome.kept, outcome.repro = str(kept), outcome.repro.replace(str(scratch), str(kept))
             (kept / "repro.txt").write_text(
                 f"# {outcome.category}: {outcome.cause}\n# mutation: {outcome.mutation}\n"
-                f"# rebuild: {reproduction(job.target, job.seed, job.index)}\n{outcome.repro}\n")
+                f"# rebuild: {reproduction(job.target, job.seed, job.index, outcome.variant)}\n{outcome.repro}\n")
         return outcome
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -870,7 +1040,7 @@ def failure_causes(outcomes: list[Outcome], limit: int = 40) -> list[str]:
             groups.setdefault((o.target, o.category, o.cause), []).append(o)
     ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))[:limit]
     return [f"{len(v):5d}  {t:9s} {c:11s} {cause}\n       e.g. {v[0].mutation[:100]}\n       "
-            f"{reproduction(t, v[0].seed, v[0].index)}" for (t, c, cause), v in ranked]
+            f"{reproduction(t, v[0].seed, v[0].index, v[0].variant)}" for (t, c, cause), v in ranked]
 
 
 def counts_by_category(outcomes: list[Outcome], target: str) -> dict[str, int]:
@@ -882,6 +1052,9 @@ def counts_by_category(outcomes: list[Outcome], target: str) -> dict[str, int]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash_llama.parity.fuzz", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", action="append", choices=TARGETS, help="a target (repeatable; default all four)")
+    p.add_argument("--variant", choices=VARIANTS, default="dflash",
+                   help="the draft of the seed pair: DFlash 1 (default) or DFlash 2 (its converter seeds in "
+                        "z-lab's and speculators' format)")
     p.add_argument("--mutants", type=int, default=1000, help="mutants in all, shared over the targets (default 1000)")
     p.add_argument("--per-target", type=int, metavar="N", help="N mutants of each target instead of --mutants")
     p.add_argument("--seed", type=int, default=0)
@@ -893,7 +1066,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=20.0, help="seconds per child (default 20)")
     p.add_argument("--as-limit-gib", type=float, default=6.0, help="address-space limit per child; 0: none")
     p.add_argument("--cli", help="llama-dflash-cli to run (default: this build's; e.g. build/asan/llama-dflash-cli)")
-    p.add_argument("--work", metavar="DIR", help=f"seed corpus cache (default {default_work_dir()})")
+    p.add_argument("--work", metavar="DIR", help=f"seed corpus cache (default {default_work_dir()}, "
+                                                 f"{default_work_dir('dflash2').name} for DFlash 2)")
     p.add_argument("--json", metavar="FILE", help="write every outcome here")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -905,7 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.index is not None and len(targets) != 1:
         sys.exit("fuzz: error: --index needs exactly one --target")
     opts = Options(timeout=a.timeout, as_limit_gib=a.as_limit_gib, cli=a.cli or "")
-    corpus = build_corpus(Path(a.work) if a.work else default_work_dir())
+    corpus = build_corpus(Path(a.work) if a.work else default_work_dir(a.variant), a.variant)
     if a.index is not None:
         plain = plain_tokens(opts, corpus.target_gguf)[0] or () if targets[0] == "draft" else ()
         with tempfile.TemporaryDirectory(prefix="dflash-fuzz-") as scratch:

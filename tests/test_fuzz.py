@@ -29,6 +29,16 @@ def short_run(corpus, tmp_path_factory) -> list[fuzz.Outcome]:
     return outcomes
 
 
+@pytest.fixture(scope="module")
+def dflash2_corpus(tiny_target_hf, tiny_target_gguf, tmp_path_factory) -> fuzz.Corpus:
+    from dflash_llama import fixtures
+
+    work = tmp_path_factory.mktemp("fuzz_corpus_dflash2")
+    draft = fixtures.tiny_draft_hf(work / "draft_hf", tiny_target_hf,
+                                   fixtures.TinyDraftConfig(**fuzz.VARIANT_DRAFTS["dflash2"]))
+    return fuzz.corpus_from(tiny_target_hf, tiny_target_gguf, draft, work, "dflash2")
+
+
 def test_gguf_walk_round_trips_the_seeds(corpus):
     for seed in (corpus.draft_gguf, corpus.target_gguf):
         blob = seed.read_bytes()
@@ -86,3 +96,31 @@ def test_short_run_finds_no_failure(short_run, target):
     assert failures == []
     counts = fuzz.counts_by_category(short_run, target)
     assert counts.get("clean", 0) > 0  # the mutants do reach the checks
+
+
+def test_dflash2_mutants_reach_its_keys_and_tensors_and_fail_nothing(dflash2_corpus, tmp_path):
+    """A DFlash 2 pair: the mutants aim at its sizes, conv and selector tensors (data included) and
+    both checkpoint formats, depend on the variant, and a short run (seed 23) fails nothing."""
+    c = dflash2_corpus
+    keys = fuzz.extra_keys_for("draft")
+    drafts = [fuzz.mutate_gguf(c.draft_gguf, fuzz.mutant_rng("dflash2", "draft", 23, i), keys)[1] for i in range(40)]
+    assert sum(w.startswith("dflash2_size: dflash.") for w in drafts) == 6
+    assert sum(w.startswith("dflash2_tensor: tensor ") for w in drafts) == 8
+    assert "dflash2_tensor: tensor selector_successor.weight data: one = nan" in drafts
+    assert fuzz.mutant_rng("dflash2", "draft", 23, 0).random() != fuzz.mutant_rng("dflash", "draft", 23, 0).random()
+    assert fuzz.reproduction("draft", 23, 4, "dflash2") == (
+        "python -m dflash_llama.parity.fuzz --variant dflash2 --target draft --seed 23 --index 4 --keep DIR")
+    outcomes = fuzz.campaign({"draft": 12, "converter": 8}, 23, c, jobs=2, keep=tmp_path, progress=False)
+    print("\n" + fuzz.summary_table(outcomes) + "\n" + "\n".join(fuzz.failure_causes(outcomes)))
+    assert [o.category for o in outcomes if o.category in fuzz.FAILURES] == []
+    assert {o.variant for o in outcomes} == {"dflash2"}
+    assert fuzz.counts_by_category(outcomes, "draft").get("exact", 0) > 0  # a DFlash 2 draft ran, and was exact
+    assert any(o.mutation.startswith("speculators format: ") for o in outcomes if o.target == "converter")
+    # found by the 2,400-mutant DFlash 2 campaign (seed 2030): a list or an object as
+    # speculators_model_type was a TypeError traceback
+    found = [fuzz.run_mutant(fuzz.Job("converter", 2030, i, c, fuzz.Options(), (), str(tmp_path))) for i in (135, 239)]
+    assert [(o.mutation, o.category, o.cause.split("config.json: ")[-1]) for o in found] == [
+        ("speculators format: config.json speculators_model_type = [5]", "clean",
+         "speculators_model_type = [5] is not supported (only dflash, dflash2)"),
+        ("speculators format: config.json speculators_model_type = {}", "clean",
+         "speculators_model_type = {} is not supported (only dflash, dflash2)")]

@@ -781,7 +781,7 @@ def normalized_hf_config(config: dict) -> dict:
     if checkpoint_format(config) != "speculators":
         return config
     kind = config["speculators_model_type"]
-    if kind not in SPECULATORS_TYPES:
+    if not isinstance(kind, str) or kind not in SPECULATORS_TYPES:  # a list or an object: unhashable
         raise ValueError(f"speculators_model_type = {_show(kind)} is not supported "
                          f"(only {', '.join(sorted(SPECULATORS_TYPES))})")
     variant = SPECULATORS_TYPES[kind]
