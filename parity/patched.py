@@ -296,6 +296,10 @@ SHOW = {"U1": ("u1-dflash-default-target-layers.patch", show_u1), "U2": ("u2-dfl
         "U4": ("u4-dflash1-logit-scale.patch", show_u4), "U5": ("u5-dflash-full-block.patch", show_u5),
         "U7": ("u7-gemma3-layer-inputs.patch", show_u7), "U9": ("u9-dflash-speculators-format.patch", show_u9)}
 
+# findings of findings.py with no patch yet, and why (docs/upstream_status.md)
+UNPATCHED = {"U10": "the fix is clear (run DFlash 2's trained block and walk only the first n_max slots, as the U5 "
+                    "patch does for DFlash 1) but not written yet"}
+
 
 def show(findings: list[str], patched: Build) -> int:
     """Print each finding before and after on `patched`; the number not shown fixed."""
