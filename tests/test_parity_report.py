@@ -75,6 +75,50 @@ def test_report_files_and_schema(clean):
         R.validate(data)
 
 
+@pytest.fixture(scope="module")
+def dflash2_report(tmp_path_factory, tiny_target_hf, tiny_target_gguf) -> dict:
+    """parity.json of a DFlash 2 draft (block 4, top-K 3): the graph stage on one prompt."""
+    from dflash_llama import fixtures
+
+    cfg = fixtures.TinyDraftConfig(variant="dflash2", layers=1, heads=4, kv_heads=2, target_layer_ids=[1, 2],
+                                   block_size=4, seed=33, conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                                   selector_top_k=3)
+    hf, gguf = tiny_draft(tmp_path_factory, tiny_target_hf, tiny_target_gguf, cfg, name="dflash2")
+    pc = ParityConfig(target=tiny_target_gguf, draft=gguf, draft_hf=hf, prompts=PROMPTS[:1], name="dflash2",
+                      graph_prompts=1, end_to_end=False)
+    paths = R.write(run_parity(pc, progress_bar=False), tmp_path_factory.mktemp("dflash2-report"))
+    return json.loads(paths["json"].read_text())
+
+
+def test_dflash2_report_and_its_selector_follow_the_schema(clean, dflash2_report):
+    """The graph stage's `selector` (DFlash 2; null for DFlash 1) is described by the schema."""
+    assert json.loads(clean[1]["json"].read_text())["stages"]["graph"]["selector"] is None
+    R.validate(dflash2_report)
+    graph = dflash2_report["stages"]["graph"]
+    sel = graph["selector"]
+    assert graph["status"] == "pass" and sel["failures"] == []
+    # slot 1: the anchor's row of 3 scores; slots 2 and 3: 3 x 3 each
+    assert {pair: (p["entries"], p["only_one_side"], p["same_path"]) for pair, p in sel["pairs"].items()} == {
+        pair: (3 + 2 * 9, 0, True) for pair in ("reference/runtime", "reference/native", "runtime/native")}
+    (row,) = sel["inputs"]
+    assert row["prompt"] == "fib" and len(row["reference/native"]["path_a"]) == 3
+    for path, value, message in [(("pairs", "reference/runtime", "entries"), -1, "-1 is less than the minimum of 0"),
+                                 (("inputs", 0, "reference/native", "path_b"), [1.5], "1.5 is not of type 'integer'"),
+                                 (("failures",), [{"name": "x"}], "is not of type 'string'")]:
+        broken = copy.deepcopy(dflash2_report)
+        node = broken["stages"]["graph"]["selector"]
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        with pytest.raises(jsonschema.ValidationError, match=re.escape(message)):
+            R.validate(broken)
+    broken = copy.deepcopy(dflash2_report)
+    broken["stages"]["graph"]["selector"]["pairs"]["reference/other"] = broken["stages"]["graph"]["selector"][
+        "pairs"].pop("runtime/native")
+    with pytest.raises(jsonschema.ValidationError, match="'reference/other' is not one of"):
+        R.validate(broken)
+
+
 def test_docs_table_is_the_bounds_table():
     rows = {}
     for line in DOCS.read_text().splitlines():
