@@ -15,6 +15,7 @@
 #include "engine.h"
 #include "gguf_info.h"
 #include "glue.h"
+#include "ngram.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -93,6 +94,7 @@ void bind_generate_params(nb::module_ & m) {
         .def_rw("block_size", &generate_params::block_size)
         .def_rw("adaptive", &generate_params::adaptive)
         .def_rw("draft_max", &generate_params::draft_max)
+        .def_rw("ngram", &generate_params::ngram)
         .def_rw("stop_tokens", &generate_params::stop_tokens)
         .def_rw("stop_at_eog", &generate_params::stop_at_eog);
 }
@@ -100,6 +102,7 @@ void bind_generate_params(nb::module_ & m) {
 void bind_step_record(nb::module_ & m) {
     nb::class_<dflash::step_record>(m, "StepRecord")
         .def_ro("drafted", &dflash::step_record::drafted)
+        .def_prop_ro("source", [](const dflash::step_record & r) { return std::string(dflash::source_name(r.source)); })
         .def_ro("accepted", &dflash::step_record::accepted)
         .def_ro("produced", &dflash::step_record::produced);
 }
@@ -109,6 +112,11 @@ void bind_policy_summary(nb::module_ & m) {
     nb::class_<policy_summary>(m, "PolicySummary")
         .def_ro("plain_steps", &policy_summary::plain_steps)
         .def_ro("draft_steps", &policy_summary::draft_steps)
+        .def_ro("ngram_steps", &policy_summary::ngram_steps)
+        .def_ro("ngram_drafted", &policy_summary::ngram_drafted)
+        .def_ro("ngram_accepted", &policy_summary::ngram_accepted)
+        .def_prop_ro("draft_tau", &policy_summary::draft_tau)
+        .def_prop_ro("ngram_acceptance", &policy_summary::ngram_acceptance)
         .def_ro("probes", &policy_summary::probes)
         .def_ro("shadow_probes", &policy_summary::shadow_probes)
         .def_ro("calibration_ms", &policy_summary::calibration_ms)
@@ -128,7 +136,13 @@ void bind_draft_policy(nb::module_ & m) {
                  new (p) draft_policy(max_draft, &costs, shadow, probe_wait);
              }, "max_draft"_a, "verify_ms"_a, "draft_ms"_a, "shadow"_a, "probe_wait"_a = 0)
         .def_prop_ro("probe_wait", &draft_policy::probe_wait)
-        .def("choose", &draft_policy::choose)
+        .def("choose", nb::overload_cast<>(&draft_policy::choose))
+        .def("choose_step", [](draft_policy & p, int32_t ngram_len) {
+                 const dflash::step_choice c = p.choose(ngram_len);
+                 return nb::make_tuple(std::string(dflash::source_name(c.source)), c.n);
+             }, "ngram_len"_a)
+        .def("observe_ngram", &draft_policy::observe_ngram, "m"_a, "accepted"_a, "t_verify_ms"_a)
+        .def("expected_ngram_tokens", &draft_policy::expected_ngram_tokens, "m"_a)
         .def("take_shadow", &draft_policy::take_shadow)
         .def("observe_shadow", &draft_policy::observe_shadow, "n"_a, "matched"_a, "settled"_a, "t_draft_ms"_a)
         .def("drop_shadow", &draft_policy::drop_shadow)
@@ -138,6 +152,16 @@ void bind_draft_policy(nb::module_ & m) {
         .def("perfect_speedup", &draft_policy::perfect_speedup)
         .def("expected_ms", &draft_policy::expected_ms, "n"_a)
         .def_prop_ro("summary", &draft_policy::summary);
+}
+
+// The n-gram proposal source on its own, for the tests.
+void bind_ngram_index(nb::module_ & m) {
+    using dflash::ngram_index;
+    nb::class_<ngram_index>(m, "NgramIndex")
+        .def(nb::init<int32_t, int32_t>(), "n_min"_a = ngram_index::kMinN, "n_max"_a = ngram_index::kMaxN)
+        .def("add", nb::overload_cast<const std::vector<int32_t> &>(&ngram_index::add), "tokens"_a)
+        .def("propose", &ngram_index::propose, "max_len"_a)
+        .def("__len__", &ngram_index::size);
 }
 
 void bind_generate_stats(nb::module_ & m) {
@@ -269,6 +293,7 @@ NB_MODULE(_core, m) {
     bind_step_record(m);
     bind_policy_summary(m);
     bind_draft_policy(m);
+    bind_ngram_index(m);
     bind_generate_stats(m);
     bind_generate_result(m);
     bind_engine(m);

@@ -54,9 +54,12 @@ void print_usage(const char * argv0) {
         "  --top-k K                top-k sampling (default: 0 = off)\n"
         "  -s, --seed N             sampling seed (default: 0)\n"
         "  --block-size B           draft block size (default: the draft's)\n"
-        "  --draft-max auto|N       drafted tokens verified per step: auto chooses each step's N (0 = a plain\n"
-        "                           decode) for the highest expected speed on this machine; N: at most N,\n"
-        "                           every step (default: auto)\n"
+        "  --draft-max auto|N       drafted tokens verified per step: auto chooses, each step, what to verify\n"
+        "                           for the highest expected speed on this machine: nothing (a plain decode),\n"
+        "                           N drafted tokens, or an n-gram continuation (--ngram); N: at most N\n"
+        "                           drafted tokens, every step (default: auto)\n"
+        "  --ngram on|off           with --draft-max auto, also verify continuations of the text so far found\n"
+        "                           by n-gram lookup (the last 4 down to 2 tokens), no draft forward (default: on)\n"
         "  --draft-head compact|target  the head the draft proposes through: compact, a Q4_0 copy of the\n"
         "                           target's (cheaper; made at load when the target's is larger), or the\n"
         "                           target's own (as the reference computes it) (default: compact)\n"
@@ -158,6 +161,11 @@ cli_args parse_args(int argc, char ** argv) {
             if (a.gen.adaptive) a.gen.draft_max.reset();
             else a.gen.draft_max = parse_int<int32_t>(flag, v);
         }
+        else if (flag == "--ngram") {
+            const std::string v = value();
+            if (v != "on" && v != "off") usage_error("--ngram must be on or off, got '" + v + "'");
+            a.gen.ngram = v == "on";
+        }
         else if (flag == "--draft-head") {
             const std::string v = value();
             if (v != "compact" && v != "target") usage_error("--draft-head must be compact or target, got '" + v + "'");
@@ -218,6 +226,8 @@ void print_json(const dflash::generate_result & r, const std::string & text) {
     if (r.adaptive) {
         const auto & p = r.policy;
         ss << ", \"policy\": {\"plain_steps\": " << p.plain_steps << ", \"draft_steps\": " << p.draft_steps
+           << ", \"ngram_steps\": " << p.ngram_steps << ", \"ngram_drafted\": " << p.ngram_drafted
+           << ", \"ngram_accepted\": " << p.ngram_accepted << ", \"draft_tau\": " << p.draft_tau()
            << ", \"probes\": " << p.probes << ", \"shadow_probes\": " << p.shadow_probes
            << ", \"calibration_ms\": " << p.calibration_ms << ", \"mean_draft\": " << p.mean_draft() << ", \"predicted_tokens_per_second\": "
            << p.predicted_tokens_per_second() << "}";
@@ -252,6 +262,8 @@ void print_stats(const dflash::generate_result & r, const dflash::draft_hparams 
             std::fprintf(stderr, "draft length:     auto: %.0f%% plain steps (%d probes, %d of them unverified drafts), "
                                  "mean N %.2f over %d drafting steps; predicted %.1f tok/s\n", 100.0 * p.plain_share(),
                          p.probes, p.shadow_probes, p.mean_draft(), p.draft_steps, p.predicted_tokens_per_second());
+            std::fprintf(stderr, "steps:            %d plain, %d draft (tau %.2f), %d n-gram (acc %.2f)\n", p.plain_steps,
+                         p.draft_steps, p.draft_tau(), p.ngram_steps, p.ngram_acceptance());
             if (p.calibration_ms > 0.0) {
                 std::fprintf(stderr, "step costs:       measured in %.0f ms before the generation (once per run)\n",
                              p.calibration_ms);

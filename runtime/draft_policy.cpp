@@ -13,6 +13,15 @@ constexpr double kPriorSlope      = 0.5;  // extra cost of each verified token, 
 constexpr int32_t kFirstDraft     = 2;    // N of the first drafting step
 }
 
+const char * source_name(step_source s) {
+    switch (s) {
+        case step_source::plain: return "plain";
+        case step_source::draft: return "draft";
+        case step_source::ngram: return "ngram";
+    }
+    return "?";
+}
+
 void draft_policy::average::add(double x) {
     value = seen ? value + kCostWeight * (x - value) : x;
     seen  = true;
@@ -20,7 +29,7 @@ void draft_policy::average::add(double x) {
 
 draft_policy::draft_policy(int32_t max_draft, const step_costs * costs, bool shadow, int32_t probe_wait)
     : max_draft_(max_draft), verify_(max_draft + 2), draft_(max_draft + 1), hits_(max_draft + 1, 0.0),
-      tries_(max_draft + 1, 0.0), shadow_(shadow) {
+      tries_(max_draft + 1, 0.0), ngram_hits_(max_draft + 1, 0.0), ngram_tries_(max_draft + 1, 0.0), shadow_(shadow) {
     if (max_draft < 1) {
         throw std::invalid_argument("the adaptive loop needs a block of at least 2 tokens, got a draft of " +
                                     std::to_string(max_draft));
@@ -47,15 +56,21 @@ draft_policy::draft_policy(int32_t max_draft, const step_costs * costs, bool sha
     interval_ = probe_wait > 0 ? probe_wait : kProbeFirst / kProbeGrowth;
 }
 
-double draft_policy::expected_tokens(int32_t n) const {
+// E(n) = 1 + sum_{i<=n} prod_{j<=i} c_j, each c_j the decayed hit rate of position j pulled towards
+// the estimate of position j - 1 (of position 1: kFirstAcceptance) with weight kPriorWeight.
+double draft_policy::chained(const std::vector<double> & hits, const std::vector<double> & tries, int32_t n) {
     double e = 1.0, run = 1.0, c = kFirstAcceptance;
     for (int32_t i = 1; i <= n; ++i) {
-        c = (hits_[i] + kPriorWeight * c) / (tries_[i] + kPriorWeight);
+        c = (hits[i] + kPriorWeight * c) / (tries[i] + kPriorWeight);
         run *= c;
         e += run;
     }
     return e;
 }
+
+double draft_policy::expected_tokens(int32_t n) const { return chained(hits_, tries_, n); }
+
+double draft_policy::expected_ngram_tokens(int32_t m) const { return chained(ngram_hits_, ngram_tries_, m); }
 
 // Seen sizes as they are; others on the line through the nearest seen sizes around them (beyond the
 // largest, the slope of the two largest, or kPriorSlope plain steps per token if only one is seen).
@@ -120,6 +135,45 @@ void draft_policy::note_step(int32_t n) {
     }
 }
 
+int32_t draft_policy::best_ngram(int32_t max_len) const {
+    int32_t pick = 1;
+    double  top  = -1.0;
+    for (int32_t m = 1; m <= std::min(max_len, max_draft_); ++m) {
+        const double ms = expected_ngram_ms(m);
+        const double speed = ms > 0.0 ? expected_ngram_tokens(m) / ms : 0.0;
+        if (speed > top) {
+            top  = speed;
+            pick = m;
+        }
+    }
+    return pick;
+}
+
+double draft_policy::draft_side_speed() const {
+    const double plain = expected_ms(0);
+    double speed = plain > 0.0 ? 1.0 / plain : 0.0;
+    const bool drafting = !plain_mode_ && std::any_of(draft_.begin(), draft_.end(), [](const average & a) { return a.seen; });
+    if (drafting && pays(best(1))) {
+        speed = std::max(speed, expected_tokens(best(1)) / expected_ms(best(1)));
+    }
+    return speed;
+}
+
+step_choice draft_policy::choose(int32_t ngram_len) {
+    if (ngram_len < 0) {
+        throw std::invalid_argument("draft_policy: an n-gram proposal of " + std::to_string(ngram_len) + " tokens");
+    }
+    if (ngram_len > 0 && verify_[1].seen) {  // the n-gram side needs a plain step's time to compare with
+        const int32_t m  = best_ngram(ngram_len);
+        const double  ms = expected_ngram_ms(m);
+        if (ms > 0.0 && expected_ngram_tokens(m) / ms > draft_side_speed()) {
+            return { step_source::ngram, m };
+        }
+    }
+    const int32_t n = choose();
+    return { n == 0 ? step_source::plain : step_source::draft, n };
+}
+
 int32_t draft_policy::choose() {
     int32_t n = 0;
     if (!verify_[1].seen) {
@@ -176,6 +230,8 @@ void draft_policy::decay() {
     for (int32_t j = 1; j <= max_draft_; ++j) {
         hits_[j]  *= kDecay;
         tries_[j] *= kDecay;
+        ngram_hits_[j]  *= kDecay;
+        ngram_tries_[j] *= kDecay;
     }
 }
 
@@ -191,13 +247,31 @@ void draft_policy::observe_draft(int32_t n, int32_t accepted, double t_draft_ms,
                                " accepted");
     }
     note_step(n);
+    summary_.draft_accepted += accepted;
     draft_[n].add(t_draft_ms);
     verify_[n + 1].add(t_verify_ms);
     decay();
-    count(n, accepted, true);
+    tally(hits_, tries_, n, accepted, true);
     if (probing_) {
         end_probe();
     }
+}
+
+void draft_policy::observe_ngram(int32_t m, int32_t accepted, double t_verify_ms) {
+    if (m < 1 || m > max_draft_ || accepted < 0 || accepted > m) {
+        throw std::invalid_argument("draft_policy: an n-gram step of " + std::to_string(m) + " proposed, " +
+                                    std::to_string(accepted) + " accepted");
+    }
+    summary_.ngram_steps += 1;
+    summary_.ngram_drafted += m;
+    summary_.ngram_accepted += accepted;
+    if (const double ms = expected_ngram_ms(m); ms > 0.0) {
+        summary_.predicted_tokens += expected_ngram_tokens(m);
+        summary_.predicted_ms     += ms;
+    }
+    verify_[m + 1].add(t_verify_ms);
+    decay();
+    tally(ngram_hits_, ngram_tries_, m, accepted, true);
 }
 
 void draft_policy::observe_shadow(int32_t n, int32_t matched, bool settled, double t_draft_ms) {
@@ -207,7 +281,7 @@ void draft_policy::observe_shadow(int32_t n, int32_t matched, bool settled, doub
     }
     draft_[n].add(t_draft_ms);
     summary_.predicted_ms += t_draft_ms;  // its cost, with no tokens of its own
-    count(n, matched, settled || matched == n);
+    tally(hits_, tries_, n, matched, settled || matched == n);
     end_probe();
 }
 
@@ -218,10 +292,10 @@ void draft_policy::drop_shadow() {
 }
 
 // Position j of n was tried when every position before it was accepted; `accepted` were.
-void draft_policy::count(int32_t n, int32_t accepted, bool settled) {
+void draft_policy::tally(std::vector<double> & hits, std::vector<double> & tries, int32_t n, int32_t accepted, bool settled) {
     for (int32_t j = 1; j <= std::min(accepted + (settled ? 1 : 0), n); ++j) {
-        tries_[j] += 1.0;
-        hits_[j]  += j <= accepted ? 1.0 : 0.0;
+        tries[j] += 1.0;
+        hits[j]  += j <= accepted ? 1.0 : 0.0;
     }
 }
 

@@ -14,6 +14,15 @@
 // machine and target, whatever the text (the first keeps the draft's cost measured in the real
 // context, and keeps the loop's drafting path in use).
 //
+// A second proposal source: an n-gram continuation of the text so far (ngram.h), when there is one.
+// It costs no draft forward, only a verify of m + 1 tokens, and has its own acceptance by position:
+//
+//   speed_ngram(m) = E_ngram(m) / t_verify(m + 1),   m = 1..min(its length, max_draft)
+//
+// Each step the n-gram proposal is verified (cut to its best m) when it is faster than what the draft
+// side would do (plain decoding, or drafting N when drafting pays); else the draft side chooses as
+// above, and its probes and waits are untouched by the n-gram steps between.
+//
 // Costs are exponential averages per size; sizes not yet seen are interpolated linearly between
 // seen ones. Acceptance counts decay (by kDecay a step, plain steps too) so that they follow the text
 // and a probe after a long plain stretch is judged mostly on what it sees.
@@ -48,21 +57,37 @@ struct policy_memory {
     int32_t    probe_wait = 0;  // plain steps between probes that do not pay; 0: none learned yet
 };
 
+// Where the tokens a step verifies after the last one come from.
+enum class step_source : int32_t { plain, draft, ngram };
+const char * source_name(step_source s);  // "plain", "draft", "ngram"
+
+struct step_choice {
+    step_source source = step_source::plain;
+    int32_t     n      = 0;  // tokens proposed (0: a plain step)
+};
+
 struct policy_summary {
     int32_t plain_steps = 0;        // N = 0: a plain decode, no draft forward
     int32_t draft_steps = 0;        // N >= 1
+    int32_t ngram_steps = 0;        // an n-gram proposal verified, no draft forward
     int32_t probes      = 0;        // probes of drafting from plain mode (drafting steps or shadow probes)
     int32_t shadow_probes = 0;      // of them: draft forwards scored by the plain steps after them
     double  calibration_ms = 0.0;   // time spent measuring step_costs for this generation (0: known)
     int64_t drafted     = 0;        // sum of N over drafting steps
+    int64_t draft_accepted = 0;     // drafted tokens accepted
+    int64_t ngram_drafted  = 0;     // n-gram tokens verified
+    int64_t ngram_accepted = 0;     // of them accepted
     double  predicted_tokens = 0.0; // sum over steps of the expected tokens of the choice
     double  predicted_ms     = 0.0; // sum over steps of its expected time
 
     double mean_draft() const { return draft_steps > 0 ? (double) drafted / draft_steps : 0.0; }
     double plain_share() const {
-        const int32_t n = plain_steps + draft_steps;
+        const int32_t n = plain_steps + draft_steps + ngram_steps;
         return n > 0 ? (double) plain_steps / n : 0.0;
     }
+    // tokens a drafting step produced on average (accepted + 1)
+    double draft_tau() const { return draft_steps > 0 ? 1.0 + (double) draft_accepted / draft_steps : 0.0; }
+    double ngram_acceptance() const { return ngram_drafted > 0 ? (double) ngram_accepted / ngram_drafted : 0.0; }
     double predicted_tokens_per_second() const { return predicted_ms > 0.0 ? 1000.0 * predicted_tokens / predicted_ms : 0.0; }
 };
 
@@ -76,6 +101,9 @@ public:
 
     // N for the next step, 0..max_draft (the caller may cut it near the end of the sequence).
     int32_t choose();
+    // The next step when an n-gram proposal of ngram_len tokens is at hand (0: none): it, cut to its
+    // best length, or what choose() picks.
+    step_choice choose(int32_t ngram_len);
     // After a plain step: the number of proposals of a shadow probe to draft now (0: none). Its
     // outcome comes back through observe_shadow.
     int32_t take_shadow();
@@ -83,6 +111,8 @@ public:
     // a verify of n + 1 tokens and the injection of the accepted ones, `accepted` of n accepted.
     void observe_plain(double t_ms);
     void observe_draft(int32_t n, int32_t accepted, double t_draft_ms, double t_verify_ms);
+    // An n-gram proposal of m tokens verified (m + 1 tokens in one target decode), `accepted` of them.
+    void observe_ngram(int32_t m, int32_t accepted, double t_verify_ms);
     // A shadow probe of n proposals: its first `matched` equal the tokens produced after it; settled:
     // proposal matched + 1 was seen to differ (or all n matched), else the sequence ended first.
     void observe_shadow(int32_t n, int32_t matched, bool settled, double t_draft_ms);
@@ -91,6 +121,8 @@ public:
 
     double expected_tokens(int32_t n) const;
     double expected_ms(int32_t n) const;  // 0 while the cost of n cannot be estimated yet
+    double expected_ngram_tokens(int32_t m) const;
+    double expected_ngram_ms(int32_t m) const { return verify_ms(m + 1); }
     // The speed of a draft accepted in full at its best N, in units of plain decoding's (0: unknown).
     double perfect_speedup() const;
     const policy_summary & summary() const { return summary_; }
@@ -107,18 +139,22 @@ private:
     struct average { double value = 0.0; bool seen = false; void add(double x); };
 
     int32_t best(int32_t n_min) const;
+    int32_t best_ngram(int32_t max_len) const;
+    double  draft_side_speed() const;  // tokens/ms of what choose() would do now (plain, or drafting that pays)
     bool    pays(int32_t n) const;
     double  verify_ms(int32_t k) const;   // k tokens in one target decode; k = 1 is a plain step
     double  draft_ms(int32_t n) const;
     void    note_step(int32_t n);
     void    decay();
-    void    count(int32_t n, int32_t accepted, bool settled);
+    static void tally(std::vector<double> & hits, std::vector<double> & tries, int32_t n, int32_t accepted, bool settled);
+    static double chained(const std::vector<double> & hits, const std::vector<double> & tries, int32_t n);
     void    end_probe();
 
     int32_t max_draft_;
     std::vector<average> verify_;   // [k], k = 1..max_draft + 1
     std::vector<average> draft_;    // [n], n = 1..max_draft
     std::vector<double>  hits_, tries_;  // decayed counts per position [j], j = 1..max_draft
+    std::vector<double>  ngram_hits_, ngram_tries_;  // the same for n-gram proposals
     bool    plain_mode_ = false;
     bool    probing_    = false;
     bool    shadow_     = false;

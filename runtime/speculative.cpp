@@ -1,5 +1,6 @@
 #include "speculative.h"
 
+#include "ngram.h"
 #include "selector.h"
 
 #include <algorithm>
@@ -91,6 +92,7 @@ double generate_result::tau() const {
 std::vector<double> generate_result::acceptance_by_position() const {
     std::vector<double> drafted, accepted;
     for (const auto & s : steps) {
+        if (s.source != step_source::draft) continue;
         if (drafted.size() < s.drafted.size()) {
             drafted.resize(s.drafted.size(), 0.0);
             accepted.resize(s.drafted.size(), 0.0);
@@ -120,6 +122,10 @@ std::pair<int32_t, int32_t> block_shape(const target_runner & target, const draf
         throw std::invalid_argument("draft_max " + std::to_string(*params.draft_max) +
                                     " fixes the draft length, which the adaptive loop chooses: ask for one of them");
     }
+    if (!params.adaptive && params.ngram.value_or(false)) {
+        throw std::invalid_argument("the n-gram source is a choice of the adaptive loop (draft_max auto); a fixed draft "
+                                    "length drafts every step");
+    }
     if (params.draft_max && *params.draft_max < 1) {
         throw std::invalid_argument("draft_max must be at least 1, got " + std::to_string(*params.draft_max));
     }
@@ -148,8 +154,9 @@ struct pending_features {
     std::vector<float> rows;
     int32_t n = 0;
 
-    void add(const std::vector<float> & features, int32_t n_rows) {
-        rows.insert(rows.end(), features.begin(), features.begin() + (features.size() / n_rows) * n_rows);
+    // the first n_rows rows of `features` (rows of `row` values)
+    void add(const std::vector<float> & features, int32_t n_rows, size_t row) {
+        rows.insert(rows.end(), features.begin(), features.begin() + (size_t) n_rows * row);
         n += n_rows;
     }
     void flush(draft_runner & draft) {
@@ -225,6 +232,8 @@ struct spec_loop {
     std::vector<std::vector<float>> q, p;
     int32_t last = -1, start = 0;  // the newest token and its position (not yet in the target's cache)
     bool    stopped = false;
+    const size_t feature_row = (size_t) draft.hparams().n_taps() * draft.hparams().n_embd;
+    std::optional<ngram_index> ngrams;  // the prompt and every committed token (the n-gram source on)
 
     // Draft n tokens after `last` in one block forward; they follow `last` in `verify`. The adaptive
     // loop's block holds only the positions it verifies (n + 1): the draft's cost falls with n, and
@@ -254,11 +263,12 @@ struct spec_loop {
 
     // Appends what a step produced (cut at max_length and at a stop token); returns its length.
     int32_t commit(std::vector<int32_t> produced, const std::vector<int32_t> & drafted, int32_t accepted,
-                   const token_callback & on_tokens) {
+                   step_source source, const token_callback & on_tokens) {
         produced.resize(std::min<size_t>(produced.size(), (size_t) (max_length - start - 1)));
         stopped = cut_at_stop(produced, is_stop);
         const int32_t n_produced = (int32_t) produced.size();
-        res.steps.push_back({ drafted, accepted, n_produced });
+        res.steps.push_back({ drafted, source, accepted, n_produced });
+        if (ngrams) ngrams->add(produced);
         res.tokens.insert(res.tokens.end(), produced.begin(), produced.end());
         if (on_tokens) on_tokens(produced);
         last = produced.back();
@@ -271,15 +281,50 @@ struct spec_loop {
         target.decode(&last, 1, start, /*all_logits=*/false);
         const double t_ms = ms_since(t0);
         res.stats.t_verify_ms += t_ms;
-        pending.add(target.features(), 1);
+        pending.add(target.features(), 1, feature_row);
         const int32_t next = choose(target.logits(0), n_vocab, params.sampling, rng);
-        start += commit({ next }, {}, 0, on_tokens);
-        if (pending.n >= pending_features::kMaxRows) {
-            const auto t1 = clock_type::now();
-            pending.flush(draft);
-            res.stats.t_draft_ms += ms_since(t1);
-        }
+        start += commit({ next }, {}, 0, step_source::plain, on_tokens);
+        flush_if_full();
         return t_ms;
+    }
+
+    void flush_if_full() {
+        if (pending.n >= pending_features::kMaxRows) {
+            const auto t0 = clock_type::now();
+            pending.flush(draft);
+            res.stats.t_draft_ms += ms_since(t0);
+        }
+    }
+
+    // An n-gram proposal: [last, proposal...] verified in one target decode, no draft forward; the
+    // features of the kept tokens wait in `pending` as a plain step's do. Sampled, the proposal is a
+    // deterministic draft (q one-hot) through the same rejection step: token t is accepted with
+    // probability p(t), else the next token is drawn from p without t. Returns {verify ms, accepted}.
+    std::pair<double, int32_t> ngram_step(const std::vector<int32_t> & proposal, const token_callback & on_tokens) {
+        std::vector<int32_t> verify = { last };
+        verify.insert(verify.end(), proposal.begin(), proposal.end());
+        const auto t0 = clock_type::now();
+        target.decode(verify.data(), (int32_t) verify.size(), start, /*all_logits=*/true);
+        const double t_verify = ms_since(t0);
+        res.stats.t_verify_ms += t_verify;
+
+        if (!params.sampling.greedy()) {
+            q.resize(proposal.size());
+            for (size_t i = 0; i < proposal.size(); ++i) {
+                q[i].assign(n_vocab, 0.0f);
+                q[i][proposal[i]] = 1.0f;
+            }
+        }
+        int32_t next = -1;
+        const int32_t accepted = accept(proposal, next);
+        std::vector<int32_t> produced(proposal.begin(), proposal.begin() + accepted);
+        produced.push_back(next);
+        const int32_t n_produced = commit(std::move(produced), proposal, accepted, step_source::ngram, on_tokens);
+        target.rollback(start + n_produced);
+        pending.add(target.features(), n_produced, feature_row);
+        start += n_produced;
+        flush_if_full();
+        return { t_verify, accepted };
     }
 
     // A shadow probe (greedy only): n proposals after `last`, never verified; the plain steps that
@@ -299,11 +344,15 @@ struct spec_loop {
         shadow = std::move(probe);
     }
 
-    // Scores the shadow probe against the token plain decoding produced; true once it is settled.
-    bool score_shadow(int32_t token) {
+    // Scores the shadow probe against the tokens the last step produced (a plain step's one, an
+    // n-gram step's accepted ones and the target's next); true once it is settled.
+    bool score_shadow() {
         if (!shadow) return false;
-        if (shadow->proposals[shadow->matched] != token) return true;
-        return ++shadow->matched == (int32_t) shadow->proposals.size();
+        for (size_t i = res.tokens.size() - res.steps.back().produced; i < res.tokens.size(); ++i) {
+            if (shadow->proposals[shadow->matched] != res.tokens[i]) return true;
+            if (++shadow->matched == (int32_t) shadow->proposals.size()) return true;
+        }
+        return false;
     }
 
     // N >= 1: draft, verify [last, drafted...] in one target decode, keep the accepted prefix and the
@@ -327,7 +376,7 @@ struct spec_loop {
         const int32_t accepted = accept(drafted, next);
         std::vector<int32_t> produced(drafted.begin(), drafted.begin() + accepted);
         produced.push_back(next);
-        const int32_t n_produced = commit(std::move(produced), drafted, accepted, on_tokens);
+        const int32_t n_produced = commit(std::move(produced), drafted, accepted, step_source::draft, on_tokens);
 
         // the target keeps the verified tokens it accepted, the draft caches their features
         target.rollback(start + n_produced);
@@ -456,7 +505,7 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
     loop.last = choose(target.logits(0), loop.n_vocab, params.sampling, loop.rng);
     res.stats.t_prefill_ms = ms_since(t0);
     // the prompt's features wait like a plain step's: a generation that never drafts never injects
-    loop.pending.add(target.features(), (int32_t) prompt.size());
+    loop.pending.add(target.features(), (int32_t) prompt.size(), loop.feature_row);
     if (loop.pending.n >= pending_features::kMaxRows || !params.adaptive) {
         t0 = clock_type::now();
         loop.pending.flush(draft);
@@ -471,28 +520,43 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
     // shadow probes score proposals against plain decoding's tokens: sound for greedy output only
     draft_policy policy(draft_max, known, known != nullptr && params.sampling.greedy(),
                         memory != nullptr ? memory->probe_wait : 0);
+    if (params.adaptive && params.ngram.value_or(true)) {
+        loop.ngrams.emplace();
+        loop.ngrams->add(prompt);
+        loop.ngrams->add(loop.last);
+    }
     while (loop.start + 1 < max_length && !loop.stopped) {
         // near max_length the block is shorter (as published), and the last token is a plain step
         const int32_t room = max_length - loop.start - 1;
-        const int32_t n = std::min(params.adaptive ? policy.choose() : draft_max, room);
-        if (n == 0) {
-            const double t_ms = loop.plain_step(on_tokens);
-            if (!params.adaptive) continue;
-            policy.observe_plain(t_ms);
-            if (loop.score_shadow(loop.last)) {
-                policy.observe_shadow((int32_t) loop.shadow->proposals.size(), loop.shadow->matched, true,
-                                      loop.shadow->t_draft);
-                loop.shadow.reset();
-            }
-            if (const int32_t n_shadow = policy.take_shadow(); n_shadow > 0 && !loop.stopped) {
-                loop.shadow_step(n_shadow);
-                if (!loop.shadow) {  // no room left for one: the probe ends with nothing learned
-                    policy.drop_shadow();
-                }
-            }
+        if (!params.adaptive) {
+            loop.draft_step(std::min(draft_max, room), on_tokens);
+            continue;
+        }
+        const std::vector<int32_t> proposal = loop.ngrams ? loop.ngrams->propose(std::min(draft_max, room))
+                                                          : std::vector<int32_t>();
+        const step_choice choice = policy.choose((int32_t) proposal.size());
+        const int32_t n = std::min(choice.n, room);
+        if (choice.source == step_source::ngram) {
+            const auto [t_verify, accepted] =
+                loop.ngram_step(std::vector<int32_t>(proposal.begin(), proposal.begin() + n), on_tokens);
+            policy.observe_ngram(n, accepted, t_verify);
+        } else if (n == 0) {
+            policy.observe_plain(loop.plain_step(on_tokens));
         } else {
             const auto [t_draft, t_verify, accepted] = loop.draft_step(n, on_tokens);
-            if (params.adaptive) policy.observe_draft(n, accepted, t_draft, t_verify);
+            policy.observe_draft(n, accepted, t_draft, t_verify);
+            continue;
+        }
+        // after a plain or an n-gram step: score a shadow probe, take one asked for
+        if (loop.score_shadow()) {
+            policy.observe_shadow((int32_t) loop.shadow->proposals.size(), loop.shadow->matched, true, loop.shadow->t_draft);
+            loop.shadow.reset();
+        }
+        if (const int32_t n_shadow = policy.take_shadow(); n_shadow > 0 && !loop.stopped) {
+            loop.shadow_step(n_shadow);
+            if (!loop.shadow) {  // no room left for one: the probe ends with nothing learned
+                policy.drop_shadow();
+            }
         }
     }
     res.policy = policy.summary();

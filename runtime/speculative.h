@@ -24,12 +24,16 @@ struct generate_params {
     // draft_max drafted tokens (unset: block_size - 1).
     bool                   adaptive = true;
     std::optional<int32_t> draft_max;
+    // the adaptive loop's n-gram proposal source (ngram.h; unset: on); a fixed draft length drafts
+    // every step, so asking for it there is refused
+    std::optional<bool>    ngram;
     std::vector<int32_t> stop_tokens;  // in addition to the vocabulary's end-of-generation tokens
     bool    stop_at_eog = true;
 };
 
 struct step_record {
     std::vector<int32_t> drafted;   // tokens the target verified (after --draft-max); empty: a plain step
+    step_source source = step_source::draft;  // where `drafted` came from (plain: none)
     int32_t accepted = 0;           // drafted tokens the target agreed with
     int32_t produced = 0;           // tokens this step added to the output (accepted + 1, or fewer at a stop)
 };
@@ -59,7 +63,8 @@ struct generate_result {
 
     // mean tokens produced per target verify (plain steps included: one each)
     double tau() const;
-    // per block position i: accepted / drafted over all steps that drafted position i
+    // per block position i: accepted / drafted over all draft steps that drafted position i (the
+    // draft's acceptance: n-gram steps are in the policy summary)
     std::vector<double> acceptance_by_position() const;
 };
 

@@ -221,3 +221,75 @@ def test_a_shadow_probe_with_no_room_ends_without_a_cost_sample():
     p.drop_shadow()  # the sequence had no room for it
     assert p.expected_ms(1) == 5.0 + 12.0  # the draft's measured cost, not pulled towards 0
     assert [p.choose() for _ in range(3)] == [0, 0, 0] and p.summary.probes == 1  # plain, counting down again
+
+
+# --- the n-gram proposal source -------------------------------------------------------------------
+
+def test_ngram_index_proposes_what_followed_the_latest_longest_match():
+    ix = _core.NgramIndex()  # n-grams of 4 down to 2 tokens
+    ix.add([5, 6, 7, 8, 9, 1, 2, 3, 4, 6, 7, 8, 3])
+    assert ix.propose(4) == []  # "8 3" never occurred before: no proposal
+    ix.add([1, 2, 3])
+    assert len(ix) == 16 and ix.propose(3) == [4, 6, 7]  # "8 3 1 2 3" -> "1 2 3" at 5..7 -> 4 6 7
+    ix.add([4, 6, 7])
+    assert ix.propose(2) == [8, 3]  # "4 6 7" (4 tokens "3 4 6 7") most recently at 8..11: 8 3, not 8 9
+    ix.add([8, 9])
+    assert ix.propose(3) == [1, 2, 3]  # "6 7 8 9" at 1..4: the longest match wins over "8 9"'s later one
+    loop = _core.NgramIndex()
+    loop.add([11, 12, 13, 11, 12])  # a repeat of period 3 runs past the text's end: it keeps repeating
+    assert loop.propose(7) == [13, 11, 12, 13, 11, 12, 13] and loop.propose(0) == []
+    with pytest.raises(ValueError, match=r"n-gram sizes must satisfy 1 <= min <= max <= 64, got 3..2"):
+        _core.NgramIndex(3, 2)
+
+
+def drive_sources(policy, steps: int, ngram_len, ngram_accepted, draft_accepted, t_verify, t_draft: float = 4.0):
+    """Runs `steps` choices with an n-gram proposal of ngram_len(i) tokens at hand; an n-gram step of m
+    accepts ngram_accepted(m), a drafting step of n draft_accepted(n); returns the (source, n) chosen."""
+    chosen = []
+    for i in range(steps):
+        source, n = policy.choose_step(ngram_len(i))
+        chosen.append((source, n))
+        if source == "ngram":
+            policy.observe_ngram(n, ngram_accepted(n), t_verify(n + 1))
+        elif source == "draft":
+            policy.observe_draft(n, draft_accepted(n), t_draft, t_verify(n + 1))
+        else:
+            policy.observe_plain(t_verify(1))
+            if (k := policy.take_shadow()) > 0:  # settled at once: the draft's record is draft_accepted
+                policy.observe_shadow(k, draft_accepted(k), True, t_draft)
+    return chosen
+
+
+CHEAP = [0.0] + [10.0 + 1.0 * (k - 1) for k in range(1, 9)]  # verify of k tokens; a draft forward 4 ms
+
+
+def test_the_loop_chooses_among_plain_draft_and_ngram():
+    always, never = (lambda n: n), (lambda n: 0)
+    # a good n-gram record with a proposal at hand: n-gram steps of its whole length, no draft forward
+    p = _core.DraftPolicy(7, verify_ms=CHEAP, draft_ms=[0.0] + [4.0] * 7, shadow=True)
+    chosen = drive_sources(p, 40, lambda i: 5, always, never, lambda k: CHEAP[k])
+    assert chosen == [("ngram", 2)] + [("ngram", 5)] * 39  # on its prior (0.5 a position) 2 of 5, then all
+    s = p.summary
+    assert (s.ngram_steps, s.ngram_drafted, s.ngram_accepted, s.draft_steps, s.plain_steps) == (40, 197, 197, 0, 0)
+    assert s.ngram_acceptance == 1.0 and p.expected_ngram_tokens(5) > 5.8
+    # with no proposal at hand a draft that pays drafts; with one, the better record wins
+    p = _core.DraftPolicy(7, verify_ms=CHEAP, draft_ms=[0.0] + [4.0] * 7, shadow=True)
+    chosen = drive_sources(p, 60, lambda i: 0 if i < 30 else 3, never, always, lambda k: CHEAP[k])
+    assert chosen[:30] == [("plain", 0)] + [("draft", 7)] * 29  # a shadow probe that pays, then drafting
+    # a proposal of 3 verified in 12 ms (prior 0.5 a position) loses to 8 tokens in 4 + 17 ms
+    assert chosen[30:] == [("draft", 7)] * 30 and p.summary.ngram_steps == 0
+    assert p.summary.draft_tau == pytest.approx(8.0)
+    # an n-gram source that is never right stops being verified; the draft side goes on
+    p = _core.DraftPolicy(7, verify_ms=CHEAP, draft_ms=[0.0] + [4.0] * 7, shadow=True)
+    chosen = drive_sources(p, 60, lambda i: 4, never, always, lambda k: CHEAP[k])
+    assert chosen[:6] == [("ngram", 2)] + [("ngram", 1)] * 4 + [("plain", 0)]  # tried while it beats plain
+    assert chosen[6:] == [("draft", 7)] * 54 and p.summary.ngram_accepted == 0
+    # plain decoding when neither pays: verifies cost 20 ms a token more, the draft is never right
+    dear = [0.0] + [10.0 + 20.0 * (k - 1) for k in range(1, 9)]
+    p = _core.DraftPolicy(7, verify_ms=dear, draft_ms=[0.0] + [4.0] * 7, shadow=True)
+    chosen = drive_sources(p, 50, lambda i: 4, always, never, lambda k: dear[k])
+    assert chosen == [("plain", 0)] * 50  # 1 + 1 tokens in 30 ms < 1 in 10, even accepted in full
+    with pytest.raises(ValueError, match="draft_policy: an n-gram step of 2 proposed, 3 accepted"):
+        p.observe_ngram(2, 3, 10.0)
+    with pytest.raises(ValueError, match="draft_policy: an n-gram proposal of -1 tokens"):
+        p.choose_step(-1)

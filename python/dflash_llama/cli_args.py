@@ -89,10 +89,22 @@ def parse_draft_max(text: str) -> str | int:
     return n
 
 
+def parse_on_off(text: str) -> bool:
+    """argparse type of an on|off flag (`--ngram`)."""
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
 def add_draft_max_arg(p: argparse.ArgumentParser) -> None:
+    """--draft-max auto|N and the adaptive loop's --ngram on|off."""
     p.add_argument("--draft-max", type=parse_draft_max, default="auto", metavar="auto|N",
-                   help="drafted tokens verified per step: auto (default) chooses each step's N, 0 being a plain "
-                        "decode, for the highest expected speed on this machine; N: at most N every step")
+                   help="what each step verifies: auto (default) chooses, for the highest expected speed on this "
+                        "machine, nothing (a plain decode), N drafted tokens, or an n-gram continuation (--ngram); "
+                        "N: at most N drafted tokens every step")
+    p.add_argument("--ngram", type=parse_on_off, metavar="on|off",
+                   help="with --draft-max auto, also verify continuations of the text so far found by n-gram "
+                        "lookup, with no draft forward (default: on)")
 
 
 def finite_float(text: str) -> float:

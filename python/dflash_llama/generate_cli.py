@@ -48,6 +48,7 @@ class GenerateRequest:
     seed: int = 0
     ignore_eos: bool = False
     draft_max: int | str = "auto"  # runtime: verify at most this many drafted tokens, or "auto"
+    ngram: bool | None = None  # runtime: the adaptive loop's n-gram source (None: on with "auto")
     threads: int = THREADS  # runtime: CPU threads, 0 = all
     n_ctx: int = CTX_SIZE  # runtime: context size
     n_gpu_layers: int = 0  # runtime: target layers on the GPU (-1: all)
@@ -90,6 +91,8 @@ def _run_reference(req: GenerateRequest) -> dict:
     from .runtime import utf8_text
 
     sampling = Sampling(req.temperature, req.top_p, req.top_k, req.seed)  # checks them, before any loading
+    if req.ngram is not None:
+        raise ValueError("--ngram: the reference engine has no adaptive loop; --ngram is for --engine runtime")
     if req.n_gpu_layers:
         raise ValueError(f"-ngl {req.n_gpu_layers}: the reference engine runs on the CPU; -ngl is for --engine runtime")
     prompt_text = None if req.prompt_text is None else utf8_text(req.prompt_text)
@@ -132,7 +135,8 @@ def _run_runtime(req: GenerateRequest) -> dict:
     if draft is None:
         result = rt.autoregressive(prompt_ids, req.max_tokens, **kw)
     else:
-        result = rt.generate(prompt_ids, req.max_tokens, block_size=req.block_size, draft_max=req.draft_max, **kw)
+        result = rt.generate(prompt_ids, req.max_tokens, block_size=req.block_size, draft_max=req.draft_max,
+                             ngram=req.ngram, **kw)
     return result.to_json(prompt_ids=prompt_ids)
 
 
@@ -151,6 +155,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("give -md DRAFT, or --no-draft for plain target decoding")
     if args.no_draft and args.block_size is not None:
         raise ValueError("--block-size needs a draft")
+    if args.no_draft and args.ngram is not None:
+        raise ValueError("--ngram is a source of the adaptive loop: it needs a draft")
     req = GenerateRequest(
         target=args.target,
         draft=None if args.no_draft else args.draft,
@@ -164,6 +170,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         draft_max=args.draft_max,
+        ngram=args.ngram,
         threads=args.threads,
         n_ctx=args.ctx_size,
         n_gpu_layers=args.n_gpu_layers,

@@ -56,8 +56,9 @@ def policy_line(p) -> str:
     probes = f"{p.probes} probes" + (f", {p.shadow_probes} of them unverified drafts" if p.shadow_probes else "")
     measured = f"; step costs measured first in {p.calibration_ms:.0f} ms" if p.calibration_ms else ""
     return (f"draft length:    auto: {100 * p.plain_share:.0f}% plain steps ({p.plain_steps} of "
-            f"{p.plain_steps + p.draft_steps}, {probes}), {why}; predicted "
-            f"{p.predicted_tokens_per_second:.1f} tok/s{measured}")
+            f"{p.plain_steps + p.draft_steps + p.ngram_steps}, {probes}), {why}; predicted "
+            f"{p.predicted_tokens_per_second:.1f} tok/s{measured}\n"
+            f"steps:           {p.steps_line()}")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -79,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
     rt = Runtime(target, draft, n_threads=args.threads, n_ctx=args.ctx_size, n_gpu_layers=args.n_gpu_layers)
 
     stream = rt.generate(args.prompt, args.n_predict, block_size=args.block_size, draft_max=args.draft_max,
-                         stream=True)
+                         ngram=args.ngram, stream=True)
     pieces = iter(stream)
     first = next(pieces, "")  # the runtime checks the request: a bad one raises here, before any output
     print(f"target: {target}\ndraft:  {args.draft or DEFAULT_DRAFT} ({rt.draft_variant.title})\n", file=sys.stderr)
@@ -119,7 +120,8 @@ def main(args: argparse.Namespace) -> int:
             if m == "A":
                 runs["A"].append(rt.autoregressive(args.prompt, args.n_predict))
             else:
-                g = rt.generate(args.prompt, args.n_predict, block_size=args.block_size, draft_max=args.draft_max)
+                g = rt.generate(args.prompt, args.n_predict, block_size=args.block_size, draft_max=args.draft_max,
+                                ngram=args.ngram)
                 if g.tokens != ar.tokens:
                     return _inexact(ar.tokens, g.tokens)
                 runs["D"].append(g)

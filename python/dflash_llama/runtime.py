@@ -94,6 +94,20 @@ class Policy:
     predicted_tokens_per_second: float  # the loop's own cost model, over its choices
     shadow_probes: int = 0  # probes that were draft forwards scored by the plain steps after them
     calibration_ms: float = 0.0  # the step costs measured before this generation (once per Runtime)
+    ngram_steps: int = 0  # steps that verified an n-gram proposal (no draft forward)
+    ngram_drafted: int = 0  # n-gram tokens verified
+    ngram_accepted: int = 0  # of them accepted
+    draft_tau: float = 0.0  # tokens a drafting step produced on average
+
+    @property
+    def ngram_acceptance(self) -> float:
+        return self.ngram_accepted / self.ngram_drafted if self.ngram_drafted else 0.0
+
+    def steps_line(self) -> str:
+        """How many steps each source won and what it accepted: "40 plain, 12 draft (tau 2.10), 30 n-gram
+        (acc 0.71)"."""
+        return (f"{self.plain_steps} plain, {self.draft_steps} draft (tau {self.draft_tau:.2f}), "
+                f"{self.ngram_steps} n-gram (acc {self.ngram_acceptance:.2f})")
 
 
 @dataclass
@@ -122,7 +136,7 @@ class Generation:
 
 def _policy(p) -> Policy:
     return Policy(p.plain_steps, p.draft_steps, p.probes, p.mean_draft, p.plain_share, p.predicted_tokens_per_second,
-                  p.shadow_probes, p.calibration_ms)
+                  p.shadow_probes, p.calibration_ms, p.ngram_steps, p.ngram_drafted, p.ngram_accepted, p.draft_tau)
 
 
 class _ComputeThread:
@@ -280,16 +294,20 @@ class Runtime:
     # -- decoding -----------------------------------------------------------------------------
     def generate(self, prompt: str | bytes | Sequence[int], max_new_tokens: int = 128, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, block_size: int | None = None,
-                 draft_max: int | str | None = "auto", stop_tokens: Sequence[int] = (), stop_at_eog: bool = True,
-                 stream: bool = False) -> Generation | Stream:
+                 draft_max: int | str | None = "auto", ngram: bool | None = None, stop_tokens: Sequence[int] = (),
+                 stop_at_eog: bool = True, stream: bool = False) -> Generation | Stream:
         """DFlash speculative decoding. Greedy (temperature 0) output equals `autoregressive`.
 
-        draft_max: "auto" lets each step choose how many drafted tokens to verify (0 = a plain decode)
-        for the highest expected speed; N verifies at most N every step; None the whole block."""
+        draft_max: "auto" lets each step choose what to verify for the highest expected speed: nothing
+        (a plain decode), N drafted tokens, or an n-gram continuation of the text so far; N verifies at
+        most N drafted tokens every step; None the whole block.
+        ngram: the adaptive loop's n-gram source (None: on with "auto"; True with a fixed draft length
+        is a ValueError)."""
         if not self.has_draft:
             raise ValueError("this Runtime has no draft: pass draft=..., or use autoregressive()")
         params = self._params(max_new_tokens, temperature, top_p, top_k, seed, block_size, draft_max,
                               stop_tokens, stop_at_eog)
+        params.ngram = None if ngram is None else bool(ngram)
         return self._run(self._engine.generate, prompt, params, stream)
 
     def step_costs(self, block_size: int | None = None) -> dict | None:
