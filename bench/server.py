@@ -171,6 +171,18 @@ def complete(url: str, prompt: str, max_tokens: int, timeout_s: float = 600.0) -
     return out, time.perf_counter() - t0
 
 
+def draft_counts(response: dict) -> tuple[int | None, int | None]:
+    """(draft_n, draft_n_accepted) of one /v1/completions response: the tokens the server drafted
+    for the request and how many of them its target accepted (its `timings`); None where the server
+    drafted nothing (no draft model) and leaves them out."""
+    t = response.get("timings") or {}
+    counts = t.get("draft_n"), t.get("draft_n_accepted")
+    for c in counts:
+        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 0):
+            raise ServerError(f"the server's timings hold a draft count that is not a count: {t}")
+    return counts
+
+
 @dataclass
 class LoadResult:
     concurrency: int
@@ -214,9 +226,8 @@ def load_test(url: str, prompts: Sequence[tuple[str, str]], max_tokens: int, con
                 i, (pid, text) = todo.pop(0)
             try:
                 out, latency = complete(url, text, max_tokens)
-                t = out.get("timings", {})
                 results[i] = Request(pid, latency, int(out["usage"]["completion_tokens"]), out["choices"][0]["text"],
-                                     t.get("predicted_ms"), t.get("draft_n"), t.get("draft_n_accepted"))
+                                     out.get("timings", {}).get("predicted_ms"), *draft_counts(out))
             except BaseException as e:  # reported in the calling thread
                 with lock:
                     errors.append(e)

@@ -1,0 +1,253 @@
+"""Serving check: llama-server's DFlash acceptance with 1 and with 8 requests in flight, on a tiny
+qwen35 hybrid (recurrent) target whose draft is often accepted.
+
+    python -m dflash_llama.bench.serving_check [--out DIR] [--variants dflash,dflash2] [-n 48]
+                                               [--n-max 3,7] [-t 1]
+
+A hybrid target makes llama.cpp split a multi-sequence batch by sequence (`split_equal`), so the
+rows of a batch are computed out of order and put back (`llama_context::output_reorder`): if the
+captured layer inputs the DFlash draft reads were not put back, a sequence's draft would read
+another sequence's rows once several requests share a batch (llama.cpp #29019). The check serves
+the same prompts greedily with `-np 1` (one request at a time) and `-np 8` (eight at once), at each
+`--spec-draft-n-max`, and compares the acceptance (the server's `draft_n`, `draft_n_accepted`) and
+the texts, with the plain target's greedy texts (no draft) as the reference.
+
+The pair (`build_pair`, deterministic: fixed seeds throughout):
+- the target: the tiny qwen35 fixture target (families.py) with its sublayer outputs scaled down
+  (`BRANCH_SCALE`) and a cyclic bigram added to its head (`cyclic_head`): the residual stream is
+  then mostly the current token's embedding, the head prefers the next token of a 4-token cycle,
+  and the context still decides where a cycle is entered, so the greedy text is a few jumps
+  followed by a repeating cycle. A random tiny target writes text that never repeats, which no draft
+  learns in minutes (held-out tau 1.00 after 300 steps);
+- a DFlash 1 draft trained on it by `dflash-llama train` (its greedy answers to standard-library
+  prompts), and a DFlash 2 draft trained from it (`--variant dflash2 --init`), both converted by
+  `dflash-llama convert`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from dflash_llama import fixtures
+from dflash_llama.argtypes import int_list
+
+from . import server
+
+PERIOD = 4  # the head's cycle: token y -> PERIOD * (y // PERIOD) + (y + 1) % PERIOD
+BRANCH_SCALE = 0.015  # sublayer outputs (attention, linear attention, MLP) scaled by this
+HEAD_GAIN = 1.0  # weight of the cyclic bigram added to the random head
+TARGET_LAYER_IDS = "1,2"
+# the draft's training (a few minutes at one thread)
+TRAIN_ARGS = ("--prompts", "192", "--max-new-tokens", "64", "--layers", "2", "--block-size", "8",
+              "--target-layer-ids", TARGET_LAYER_IDS, "--lr", "2e-3", "--eval-every", "100", "--seed", "0")
+DFLASH1_EPOCHS = "25"
+DFLASH2_EPOCHS = "10"
+DFLASH2_ARGS = ("--conv-kernel-size", "2", "--conv-group-size", "16", "--selector-rank", "16",
+                "--selector-top-k", "4")
+
+# served prompts, alternating: a function whose docstring is closed (the target then enters the
+# cycle its draft learned: most of the training prompts end there) and a varied text (another
+# cycle, rarely accepted). Eight requests in flight then share batches with sequences of other
+# cycles, so a draft handed another request's rows would lose most of its acceptance (`row_check`).
+PROMPTS = [
+    'def isabs(path):\n    """Test whether a path is absolute"""\n', "The capital of France is",
+    'def getsize(filename):\n    """Return the size of a file, reported by os.stat()."""\n', "x = [1, 2, 3]\n",
+    'def encode(input, output):\n    """Encode a file; input and output are binary files."""\n',
+    "for i in range(10):",
+    'def compile(pattern, flags=0):\n    "Compile a regular expression pattern, returning a Pattern object."\n',
+    "Once upon a time",
+    'def choice(self, seq):\n    """Choose a random element from a non-empty sequence."""\n',
+    "SELECT name FROM users WHERE",
+    'def basename(p):\n    """Returns the final component of a pathname"""\n', "The quick brown fox",
+    'def exists(path):\n    """Test whether a path exists."""\n', "def parse(text: str) -> dict:",
+    'def upper(s):\n    """Return a copy of s converted to uppercase."""\n', "Dear committee members,",
+]
+PARALLEL = (1, 8)
+
+
+def cyclic_head(hf_dir: str | Path, period: int = PERIOD, branch_scale: float = BRANCH_SCALE,
+                head_gain: float = HEAD_GAIN) -> None:
+    """Rewrite the tiny target's weights in `hf_dir` (model.safetensors) in place: sublayer output
+    projections times `branch_scale`, and to the head row of token y, `head_gain` times the
+    embedding of its cycle predecessor (so a hidden state near token x's embedding scores x's cycle
+    successor highest)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(hf_dir) / "model.safetensors"
+    state = load_file(str(path))
+    for name in state:
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            state[name] = state[name] * branch_scale
+    head, embed = state["lm_head.weight"], state["model.embed_tokens.weight"]
+    y = torch.arange(head.shape[0])
+    whole = y < head.shape[0] // period * period  # a last, incomplete group keeps its random rows
+    pred = torch.where(whole, period * (y // period) + (y - 1) % period, y)
+    state["lm_head.weight"] = (head + head_gain * whole[:, None] * embed[pred]).contiguous()
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def cyclic_target(out_dir: str | Path) -> Path:
+    """The serving check's target GGUF (f32), built in `out_dir` (reused when there)."""
+    out = Path(out_dir)
+    gguf = out / "target.gguf"
+    if not gguf.exists():
+        hf = fixtures.tiny_target_hf(out / "target_hf", fixtures.TinyTargetConfig(family="qwen35"))
+        cyclic_head(hf)
+        fixtures.tiny_target_gguf(hf, gguf, family="qwen35")
+    return gguf
+
+
+def _dflash_llama(*args: str, threads: int) -> None:
+    cmd = [sys.executable, "-m", "dflash_llama.cli", *args]
+    if "train" in args[:1]:
+        cmd += ["-t", str(threads)]
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"dflash-llama {args[0]} exited with {r.returncode}:\n{r.stderr.strip()[-2000:]}")
+
+
+def trained_draft(target: Path, out_dir: Path, variant: str, init: Path | None = None, threads: int = 1) -> Path:
+    """A draft trained on `target` into out_dir/<variant> and its GGUF (out_dir/<variant>.gguf);
+    reused when there."""
+    hf, gguf = out_dir / variant, out_dir / f"{variant}.gguf"
+    if not gguf.exists():
+        extra = ("--variant", "dflash2", *DFLASH2_ARGS, "--init", str(init), "--epochs", DFLASH2_EPOCHS,
+                 "--data", str(out_dir / "data")) if variant == "dflash2" else ("--epochs", DFLASH1_EPOCHS,
+                                                                                "--data", str(out_dir / "data"))
+        _dflash_llama("train", "--target", str(target), "--out", str(hf), *TRAIN_ARGS, *extra, threads=threads)
+        _dflash_llama("convert", "-m", str(target), "-o", str(gguf), "--outtype", "f32", str(hf), threads=threads)
+    return gguf
+
+
+def build_pair(out_dir: str | Path, variants: Sequence[str] = ("dflash", "dflash2"), threads: int = 1
+               ) -> tuple[Path, dict[str, Path]]:
+    """The target and its trained drafts (by variant) in `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = cyclic_target(out)
+    drafts: dict[str, Path] = {}
+    if "dflash" in variants or "dflash2" in variants:
+        drafts["dflash"] = trained_draft(target, out, "dflash", threads=threads)
+    if "dflash2" in variants:
+        drafts["dflash2"] = trained_draft(target, out, "dflash2", init=out / "dflash", threads=threads)
+    return target, {v: drafts[v] for v in variants}
+
+
+@dataclass
+class Row:
+    """One server run: a draft (None: the plain target) at one --spec-draft-n-max and -np."""
+    variant: str
+    n_max: int | None
+    parallel: int
+    texts: list[str]
+    draft_n: int
+    draft_n_accepted: int
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.draft_n_accepted / self.draft_n if self.draft_n else None
+
+
+def serve(target: Path, draft: Path | None, prompts: Sequence[str], *, n_predict: int, n_max: int | None,
+          parallel: int, threads: int, n_ctx: int = 256, variant: str = "plain") -> Row:
+    """Every prompt once through llama-server started with `-np parallel`, `parallel` requests in
+    flight; the texts in prompt order and the summed draft counts."""
+    with server.LlamaServer(target, draft, threads=threads, n_ctx=n_ctx, n_parallel=parallel, n_max=n_max) as srv:
+        res = server.load_test(srv.url, [(str(i), p) for i, p in enumerate(prompts)], n_predict, parallel)
+    return Row(variant, n_max, parallel, [r.text for r in res.requests],
+               sum(r.draft_n or 0 for r in res.requests), sum(r.draft_n_accepted or 0 for r in res.requests))
+
+
+def measure(target: Path, drafts: dict[str, Path], prompts: Sequence[str] = PROMPTS, *, n_predict: int = 48,
+            n_maxes: Sequence[int] = (3, 7), parallels: Sequence[int] = PARALLEL, threads: int = 1) -> list[Row]:
+    """The plain target's rows, then each draft's at every (n_max, parallel)."""
+    rows = [serve(target, None, prompts, n_predict=n_predict, n_max=None, parallel=p, threads=threads)
+            for p in parallels]
+    for variant, draft in drafts.items():
+        for n_max in n_maxes:
+            rows += [serve(target, draft, prompts, n_predict=n_predict, n_max=n_max, parallel=p, threads=threads,
+                           variant=variant) for p in parallels]
+    return rows
+
+
+def table(rows: Sequence[Row]) -> str:
+    """A markdown table: acceptance and how many texts equal the plain target's greedy text at -np 1."""
+    ref = next(r.texts for r in rows if r.variant == "plain" and r.parallel == min(x.parallel for x in rows))
+    lines = ["| draft | --spec-draft-n-max | -np | draft_n | draft_n_accepted | acceptance | texts = plain target |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        same = sum(a == b for a, b in zip(r.texts, ref))
+        acc = f"{r.acceptance:.3f}" if r.acceptance is not None else "-"
+        lines.append(f"| {r.variant} | {r.n_max if r.n_max is not None else '-'} | {r.parallel} | {r.draft_n} | "
+                     f"{r.draft_n_accepted} | {acc} | {same}/{len(ref)} |")
+    return "\n".join(lines)
+
+
+def _accepted(rt, seq: Sequence[int], feats, at: int) -> int:
+    """How many tokens of `seq` after position `at` the draft gets right in a row, drafting one block
+    from the anchor seq[at] with `feats` as the context rows of positions 0..at-1."""
+    block = rt.block_size
+    trace = rt.trace_draft(feats[:at], [seq[at]] + [0] * (block - 1))
+    drafted = trace["selector_path"] if "selector_path" in trace else trace["result_output"][1:].argmax(-1)
+    n = 0
+    while n < len(drafted) and at + 1 + n < len(seq) and int(drafted[n]) == seq[at + 1 + n]:
+        n += 1
+    return n
+
+
+def row_check(target: Path, draft: Path, prompts: Sequence[str] = PROMPTS, *, n_predict: int = 48,
+              threads: int = 1, stride: int = 3) -> dict[str, float]:
+    """Does the draft need its own request's rows? Through our runtime, for each even-indexed prompt
+    (its neighbour in PROMPTS is the next one): the mean number of drafted tokens accepted in a row
+    at every `stride`-th anchor of its greedy answer, drafting with its own target rows and with the
+    neighbour's rows in their place (the mix-up llama.cpp #29019 describes)."""
+    from dflash_llama.runtime import Runtime
+
+    rt = Runtime(target, draft, n_threads=threads, n_ctx=512)
+    seqs = []
+    for p in prompts:
+        ids = rt.tokenize(p)
+        seqs.append(ids + list(rt.autoregressive(ids, n_predict).tokens))
+    own, other = [], []
+    for i in range(0, len(seqs) - 1, 2):
+        seq, feats, theirs = seqs[i], rt.capture(seqs[i]), rt.capture(seqs[i + 1])
+        start = len(rt.tokenize(prompts[i]))
+        for at in range(start, min(len(seq), len(theirs)) - 1, stride):
+            own.append(_accepted(rt, seq, feats, at))
+            other.append(_accepted(rt, seq, theirs, at))
+    return {"anchors": len(own), "own_rows": sum(own) / len(own), "neighbour_rows": sum(other) / len(other)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash_llama.bench.serving_check", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=Path("serving-check"),
+                   help="folder for the pair (built once, reused) and serving_check.json (default: ./serving-check)")
+    p.add_argument("--variants", default="dflash,dflash2", help="drafts to serve: dflash, dflash2 (comma-separated)")
+    p.add_argument("-n", "--n-predict", type=int, default=48, help="tokens per request (default 48)")
+    p.add_argument("--n-max", default="3,7", type=lambda t: int_list(t, "--n-max", 1),
+                   help="--spec-draft-n-max values (default 3,7)")
+    p.add_argument("-t", "--threads", type=int, default=1, help="threads of training and of the server (default 1)")
+    args = p.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in variants if v not in ("dflash", "dflash2")]
+    if bad or not variants:
+        p.error(f"--variants: expected dflash and/or dflash2, got {args.variants!r}")
+    if args.n_predict < 1 or args.threads < 1:
+        p.error("-n and -t must be positive")
+    target, drafts = build_pair(args.out, variants, threads=args.threads)
+    rows = measure(target, drafts, n_predict=args.n_predict, n_maxes=args.n_max, threads=args.threads)
+    (args.out / "serving_check.json").write_text(json.dumps([{**r.__dict__, "acceptance": r.acceptance}
+                                                             for r in rows], indent=1))
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
