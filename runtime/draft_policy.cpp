@@ -159,6 +159,11 @@ double draft_policy::draft_side_speed() const {
     return speed;
 }
 
+// The n-gram side is verified when it is faster than the draft side, and probed otherwise: at its
+// first proposal of the generation, then after kProbeFirst, kProbeFirst * kProbeGrowth, ... (at
+// most kProbeMax) proposals passed over, the wait starting again at kProbeFirst after a probe that
+// leaves it paying: its acceptance is learned only by verifying it. No probe when not even a
+// proposal accepted in full would be faster.
 step_choice draft_policy::choose(int32_t ngram_len) {
     if (ngram_len < 0) {
         throw std::invalid_argument("draft_policy: an n-gram proposal of " + std::to_string(ngram_len) + " tokens");
@@ -166,9 +171,17 @@ step_choice draft_policy::choose(int32_t ngram_len) {
     if (ngram_len > 0 && verify_[1].seen) {  // the n-gram side needs a plain step's time to compare with
         const int32_t m  = best_ngram(ngram_len);
         const double  ms = expected_ngram_ms(m);
-        if (ms > 0.0 && expected_ngram_tokens(m) / ms > draft_side_speed()) {
+        const double rival = draft_side_speed();
+        const bool faster = ms > 0.0 && expected_ngram_tokens(m) / ms > rival;
+        bool could = false;  // a proposal accepted in full would be faster: worth a probe
+        for (int32_t k = 1; k <= std::min(ngram_len, max_draft_) && !could; ++k) {
+            could = expected_ngram_ms(k) > 0.0 && (k + 1) / expected_ngram_ms(k) > rival;
+        }
+        if (faster || (could && ngram_countdown_ == 0)) {
+            ngram_probing_ = !faster;
             return { step_source::ngram, m };
         }
+        ngram_countdown_ -= could && ngram_countdown_ > 0 ? 1 : 0;
     }
     const int32_t n = choose();
     return { n == 0 ? step_source::plain : step_source::draft, n };
@@ -272,6 +285,13 @@ void draft_policy::observe_ngram(int32_t m, int32_t accepted, double t_verify_ms
     verify_[m + 1].add(t_verify_ms);
     decay();
     tally(ngram_hits_, ngram_tries_, m, accepted, true);
+    if (ngram_probing_) {
+        ngram_probing_ = false;
+        const int32_t best = best_ngram(max_draft_);
+        const bool pays = expected_ngram_tokens(best) / expected_ngram_ms(best) > draft_side_speed();
+        ngram_wait_ = pays ? kProbeFirst : std::min(kProbeGrowth * ngram_wait_, kProbeMax);
+        ngram_countdown_ = ngram_wait_;
+    }
 }
 
 void draft_policy::observe_shadow(int32_t n, int32_t matched, bool settled, double t_draft_ms) {

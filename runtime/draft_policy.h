@@ -21,7 +21,9 @@
 //
 // Each step the n-gram proposal is verified (cut to its best m) when it is faster than what the draft
 // side would do (plain decoding, or drafting N when drafting pays); else the draft side chooses as
-// above, and its probes and waits are untouched by the n-gram steps between.
+// above, and its probes and waits are untouched by the n-gram steps between. An n-gram source that
+// does not pay is probed as the draft is: at its first proposal, then after 16, 64, 256 proposals
+// passed over.
 //
 // Costs are exponential averages per size; sizes not yet seen are interpolated linearly between
 // seen ones. Acceptance counts decay (by kDecay a step, plain steps too) so that they follow the text
@@ -161,6 +163,9 @@ private:
     int32_t shadow_n_   = 0;   // a shadow probe asked for, not yet taken
     int32_t countdown_  = 0;
     int32_t interval_   = kProbeFirst;
+    bool    ngram_probing_   = false;  // the n-gram step under way is a probe
+    int32_t ngram_countdown_ = 0;      // proposals to pass over before the next n-gram probe
+    int32_t ngram_wait_      = kProbeFirst / kProbeGrowth;  // the first wait after a probe that does not pay: 16
     policy_summary summary_;
 };
 

@@ -282,14 +282,26 @@ def test_the_loop_chooses_among_plain_draft_and_ngram():
     # an n-gram source that is never right stops being verified; the draft side goes on
     p = _core.DraftPolicy(7, verify_ms=CHEAP, draft_ms=[0.0] + [4.0] * 7, shadow=True)
     chosen = drive_sources(p, 60, lambda i: 4, never, always, lambda k: CHEAP[k])
-    assert chosen[:6] == [("ngram", 2)] + [("ngram", 1)] * 4 + [("plain", 0)]  # tried while it beats plain
-    assert chosen[6:] == [("draft", 7)] * 54 and p.summary.ngram_accepted == 0
+    # its opening probe, then tried while its estimate beats plain decoding; once drafting pays, not
+    # even a proposal accepted in full (5 tokens in 14 ms) would beat it (8 in 21 ms): never probed again
+    assert chosen[:7] == [("ngram", 2)] + [("ngram", 1)] * 5 + [("plain", 0)]
+    assert chosen[7:] == [("draft", 7)] * 53 and p.summary.ngram_accepted == 0
     # plain decoding when neither pays: verifies cost 20 ms a token more, the draft is never right
     dear = [0.0] + [10.0 + 20.0 * (k - 1) for k in range(1, 9)]
     p = _core.DraftPolicy(7, verify_ms=dear, draft_ms=[0.0] + [4.0] * 7, shadow=True)
     chosen = drive_sources(p, 50, lambda i: 4, always, never, lambda k: dear[k])
-    assert chosen == [("plain", 0)] * 50  # 1 + 1 tokens in 30 ms < 1 in 10, even accepted in full
+    assert chosen == [("plain", 0)] * 50  # 1 + 1 tokens in 30 ms < 1 in 10, even accepted in full: no probe
     with pytest.raises(ValueError, match="draft_policy: an n-gram step of 2 proposed, 3 accepted"):
         p.observe_ngram(2, 3, 10.0)
     with pytest.raises(ValueError, match="draft_policy: an n-gram proposal of -1 tokens"):
         p.choose_step(-1)
+
+
+def test_an_ngram_source_that_does_not_pay_is_probed_less_and_less():
+    # a verify of 2 costs 1.7 plain steps: a proposal pays when 70% right, this one never is; drafting never pays
+    costs = [0.0] + [10.0 + 7.0 * (k - 1) for k in range(1, 9)]
+    p = _core.DraftPolicy(7, verify_ms=costs, draft_ms=[0.0] + [4.0] * 7, shadow=True)
+    chosen = drive_sources(p, 120, lambda i: 1, lambda m: 0, lambda n: 0, lambda k: costs[k])
+    # the opening probe, then after 16 and 64 proposals passed over (256 next)
+    assert [i for i, c in enumerate(chosen) if c[0] == "ngram"] == [0, 17, 82]
+    assert p.summary.ngram_steps == 3 and p.summary.draft_steps == 0

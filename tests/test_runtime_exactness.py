@@ -63,8 +63,9 @@ def test_tiny_pair_fifty_prompts_all_block_sizes(tiny_runtime, draft_max):
         spec = tiny_runtime.generate(prompt, 24, block_size=block, draft_max=draft_max)
         assert_same(spec, ar, f"prompt {i}, block {block}, draft_max {draft_max}")
         assert all(len(s.drafted) <= block - 1 for s in spec.steps)
-        if draft_max == "auto":  # step costs known: the first step is plain, probing with a shadow draft
-            assert spec.steps[0].drafted == [] and spec.policy.shadow_probes >= 1
+        if draft_max == "auto":  # step costs known: the first step is plain, probing with a shadow draft,
+            # unless an n-gram proposal came first
+            assert (spec.steps[0].drafted == [] and spec.policy.shadow_probes >= 1) or spec.policy.ngram_steps > 0
 
 
 def test_draft_max_verifies_fewer_tokens(tiny_runtime):
@@ -230,5 +231,47 @@ def test_sampling_is_lossless(tiny_target_gguf, tmp_path):
     assert 0.05 < accepted / drafted < 0.95, f"acceptance {accepted / drafted:.2f}: both paths must be exercised"
     _, dof, p = chi2_goodness_of_fit(counts, exact)
     assert dof == k * k - 1 and p > 1e-3, f"DFlash sampling differs from target sampling (p = {p:.2e})"
+    _, _, p_power = chi2_goodness_of_fit(counts, exact_two_token_distribution(target, prompt, k, 0.5))
+    assert p_power < 1e-6, f"the test cannot tell temperature 0.5 from 1 (p = {p_power:.2e})"
+
+
+def ngram_covered_prompt(target, base: list[int], k: int) -> list[int]:
+    """`base` after patterns [last, t, c] for every token t the top-k after it may sample (so that after
+    any first token the n-gram source proposes c, the likeliest second token after the likeliest
+    first one): each round adds the top-k of the prompt so far, until they are all covered."""
+    covered: list[int] = []
+    prompt = base
+    for _ in range(4):
+        first = top_k_probs(target.target_logits(prompt)[-1], k, 1.0)
+        if set(first) <= set(covered):
+            return prompt
+        covered += [t for t in first if t not in covered]
+        c = max(top_k_probs(target.target_logits(prompt + [max(first, key=first.get)])[-1], 1, 1.0))
+        prompt = [x for t in covered for x in (base[-1], t, c)] + base
+    raise AssertionError(f"no prompt found whose top-{k} first tokens all have an n-gram proposal")
+
+
+def test_sampling_with_ngram_proposals_is_lossless(tiny_target_gguf, tiny_draft_gguf):
+    """Temperature 1, top-k 3: the second token comes from verifying an n-gram proposal (a
+    deterministic draft, q one-hot, through the loop's rejection step: accepted with probability
+    p(c), else drawn from p without c). The first two tokens follow the target's exact joint
+    distribution (chi-square, 2000 sequences); the same samples reject temperature 0.5."""
+    import collections
+
+    k = 3
+    target = dflash_llama.Runtime(tiny_target_gguf, n_threads=1, n_ctx=256)
+    prompt = ngram_covered_prompt(target, target.tokenize(humaneval_prompts(18)[17])[-40:], k)
+    exact = exact_two_token_distribution(target, prompt, k, 1.0)
+    rt = dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=1, n_ctx=256)
+    counts, ngram_steps, accepted = collections.Counter(), 0, 0
+    for seed in range(2000):
+        g = rt.generate(prompt, 2, temperature=1.0, top_k=k, seed=seed)
+        counts[tuple(g.tokens)] += 1
+        ngram_steps += g.policy.ngram_steps
+        accepted += g.policy.ngram_accepted
+    assert ngram_steps == 2000, "every second token must come from an n-gram verify"
+    assert 0.05 < accepted / ngram_steps < 0.95, f"acceptance {accepted / ngram_steps:.2f}: both paths must run"
+    _, dof, p = chi2_goodness_of_fit(counts, exact)
+    assert dof == k * k - 1 and p > 1e-3, f"sampling with n-gram proposals differs from the target's (p = {p:.2e})"
     _, _, p_power = chi2_goodness_of_fit(counts, exact_two_token_distribution(target, prompt, k, 0.5))
     assert p_power < 1e-6, f"the test cannot tell temperature 0.5 from 1 (p = {p_power:.2e})"
