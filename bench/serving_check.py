@@ -2,7 +2,7 @@
 qwen35 hybrid (recurrent) target whose draft is often accepted.
 
     python -m dflash_llama.bench.serving_check [--out DIR] [--variants dflash,dflash2] [-n 48]
-                                               [--n-max 3,7] [-t 1]
+                                               [--n-max 3,7] [-t 1] [--repeats 3]
 
 A hybrid target makes llama.cpp split a multi-sequence batch by sequence (`split_equal`), so the
 rows of a batch are computed out of order and put back (`llama_context::output_reorder`): if the
@@ -146,9 +146,17 @@ class Row:
     variant: str
     n_max: int | None
     parallel: int
-    texts: list[str]
-    draft_n: int
-    draft_n_accepted: int
+    texts: list[str]  # per request, in prompt order
+    drafted: list[int]  # the server's draft_n per request
+    accepted: list[int]  # its draft_n_accepted per request
+
+    @property
+    def draft_n(self) -> int:
+        return sum(self.drafted)
+
+    @property
+    def draft_n_accepted(self) -> int:
+        return sum(self.accepted)
 
     @property
     def acceptance(self) -> float | None:
@@ -161,32 +169,41 @@ def serve(target: Path, draft: Path | None, prompts: Sequence[str], *, n_predict
     flight; the texts in prompt order and the summed draft counts."""
     with server.LlamaServer(target, draft, threads=threads, n_ctx=n_ctx, n_parallel=parallel, n_max=n_max) as srv:
         res = server.load_test(srv.url, [(str(i), p) for i, p in enumerate(prompts)], n_predict, parallel)
-    return Row(variant, n_max, parallel, [r.text for r in res.requests],
-               sum(r.draft_n or 0 for r in res.requests), sum(r.draft_n_accepted or 0 for r in res.requests))
+    return Row(variant, n_max, parallel, [r.text for r in res.requests], [r.draft_n or 0 for r in res.requests],
+               [r.draft_n_accepted or 0 for r in res.requests])
 
 
 def measure(target: Path, drafts: dict[str, Path], prompts: Sequence[str] = PROMPTS, *, n_predict: int = 48,
-            n_maxes: Sequence[int] = (3, 7), parallels: Sequence[int] = PARALLEL, threads: int = 1) -> list[Row]:
-    """The plain target's rows, then each draft's at every (n_max, parallel)."""
+            n_maxes: Sequence[int] = (3, 7), parallels: Sequence[int] = PARALLEL, threads: int = 1,
+            repeats: int = 1) -> list[Row]:
+    """The plain target's rows, then each draft's at every (n_max, parallel); the runs with several
+    requests in flight `repeats` times each (how requests meet in batches depends on timing)."""
+    def runs(p: int) -> int:
+        return repeats if p > 1 else 1
+
     rows = [serve(target, None, prompts, n_predict=n_predict, n_max=None, parallel=p, threads=threads)
-            for p in parallels]
+            for p in parallels for _ in range(runs(p))]
     for variant, draft in drafts.items():
         for n_max in n_maxes:
             rows += [serve(target, draft, prompts, n_predict=n_predict, n_max=n_max, parallel=p, threads=threads,
-                           variant=variant) for p in parallels]
+                           variant=variant) for p in parallels for _ in range(runs(p))]
     return rows
 
 
 def table(rows: Sequence[Row]) -> str:
-    """A markdown table: acceptance and how many texts equal the plain target's greedy text at -np 1."""
-    ref = next(r.texts for r in rows if r.variant == "plain" and r.parallel == min(x.parallel for x in rows))
-    lines = ["| draft | --spec-draft-n-max | -np | draft_n | draft_n_accepted | acceptance | texts = plain target |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    """A markdown table: acceptance, how many texts equal the plain target's greedy text at the
+    lowest -np, and how many requests drafted and accepted exactly what they did there."""
+    lowest = min(x.parallel for x in rows)
+    ref = next(r.texts for r in rows if r.variant == "plain" and r.parallel == lowest)
+    lines = ["| draft | --spec-draft-n-max | -np | draft_n | draft_n_accepted | acceptance | texts = plain target "
+             f"| requests with the counts of -np {lowest} |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         same = sum(a == b for a, b in zip(r.texts, ref))
+        base = next(b for b in rows if (b.variant, b.n_max, b.parallel) == (r.variant, r.n_max, lowest))
+        counts = sum(x == y for x, y in zip(zip(r.drafted, r.accepted), zip(base.drafted, base.accepted)))
         acc = f"{r.acceptance:.3f}" if r.acceptance is not None else "-"
         lines.append(f"| {r.variant} | {r.n_max if r.n_max is not None else '-'} | {r.parallel} | {r.draft_n} | "
-                     f"{r.draft_n_accepted} | {acc} | {same}/{len(ref)} |")
+                     f"{r.draft_n_accepted} | {acc} | {same}/{len(ref)} | {counts}/{len(ref)} |")
     return "\n".join(lines)
 
 
@@ -234,18 +251,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-max", default="3,7", type=lambda t: int_list(t, "--n-max", 1),
                    help="--spec-draft-n-max values (default 3,7)")
     p.add_argument("-t", "--threads", type=int, default=1, help="threads of training and of the server (default 1)")
+    p.add_argument("--repeats", type=int, default=3, help="runs at -np 8 per draft and n-max (default 3)")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in variants if v not in ("dflash", "dflash2")]
     if bad or not variants:
         p.error(f"--variants: expected dflash and/or dflash2, got {args.variants!r}")
-    if args.n_predict < 1 or args.threads < 1:
-        p.error("-n and -t must be positive")
+    if args.n_predict < 1 or args.threads < 1 or args.repeats < 1:
+        p.error("-n, -t and --repeats must be positive")
     target, drafts = build_pair(args.out, variants, threads=args.threads)
-    rows = measure(target, drafts, n_predict=args.n_predict, n_maxes=args.n_max, threads=args.threads)
-    (args.out / "serving_check.json").write_text(json.dumps([{**r.__dict__, "acceptance": r.acceptance}
-                                                             for r in rows], indent=1))
+    rows = measure(target, drafts, n_predict=args.n_predict, n_maxes=args.n_max, threads=args.threads,
+                   repeats=args.repeats)
+    rows_needed = {v: row_check(target, d, n_predict=args.n_predict, threads=args.threads) for v, d in drafts.items()}
+    record = {"rows": [{**r.__dict__, "draft_n": r.draft_n, "draft_n_accepted": r.draft_n_accepted,
+                        "acceptance": r.acceptance} for r in rows], "row_check": rows_needed}
+    (args.out / "serving_check.json").write_text(json.dumps(record, indent=1))
     print(table(rows))
+    print()
+    for v, c in rows_needed.items():
+        print(f"{v}: tokens accepted in a row per block (our runtime, {c['anchors']} anchors): "
+              f"{c['own_rows']:.2f} with the request's own target rows, {c['neighbour_rows']:.2f} with its "
+              f"neighbour's")
     return 0
 
 

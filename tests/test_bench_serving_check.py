@@ -51,19 +51,20 @@ def test_draft_counts_and_the_table():
         server.draft_counts({"timings": {"draft_n": -1, "draft_n_accepted": 0}})
 
     Row = serving_check.Row
-    rows = [Row("plain", None, 1, ["x", "y"], 0, 0), Row("plain", None, 8, ["x", "y"], 0, 0),
-            Row("dflash", 7, 1, ["x", "y"], 80, 60), Row("dflash", 7, 8, ["x", "z"], 80, 20)]
-    assert rows[2].acceptance == 0.75 and rows[0].acceptance is None
+    rows = [Row("plain", None, 1, ["x", "y"], [0, 0], [0, 0]), Row("plain", None, 8, ["x", "y"], [0, 0], [0, 0]),
+            Row("dflash", 7, 1, ["x", "y"], [40, 40], [30, 30]), Row("dflash", 7, 8, ["x", "z"], [40, 40], [30, 0])]
+    assert (rows[2].draft_n, rows[2].draft_n_accepted, rows[2].acceptance) == (80, 60, 0.75)
+    assert rows[0].acceptance is None
     lines = serving_check.table(rows).splitlines()
-    assert lines[2] == "| plain | - | 1 | 0 | 0 | - | 2/2 |"
-    assert lines[4] == "| dflash | 7 | 1 | 80 | 60 | 0.750 | 2/2 |"
-    assert lines[5] == "| dflash | 7 | 8 | 80 | 20 | 0.250 | 1/2 |"
+    assert lines[2] == "| plain | - | 1 | 0 | 0 | - | 2/2 | 2/2 |"
+    assert lines[4] == "| dflash | 7 | 1 | 80 | 60 | 0.750 | 2/2 | 2/2 |"
+    assert lines[5] == "| dflash | 7 | 8 | 80 | 30 | 0.375 | 1/2 | 1/2 |"
 
 
 @pytest.mark.parametrize("args, message", [
     (["--variants", "eagle"], "--variants: expected dflash and/or dflash2, got 'eagle'"),
     (["--n-max", "0"], "--n-max must be integers >= 1, got '0'"),
-    (["-n", "0"], "-n and -t must be positive"),
+    (["-n", "0"], "-n, -t and --repeats must be positive"),
 ])
 def test_bad_arguments_are_one_line(args, message, tmp_path):
     r = subprocess.run([sys.executable, "-m", "dflash_llama.bench.serving_check", "--out", str(tmp_path), *args],
