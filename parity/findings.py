@@ -224,13 +224,9 @@ def lattice_confidence(packed: np.ndarray, k: int) -> list[float]:
     return [float(1.0 / np.exp(scores - scores.max()).sum()) for _, scores in llama_walk_steps(packed, k)]
 
 
-def dflash2_acceptance_study(pair: str = DFLASH2_STUDY_PAIR, n_contexts: int = 24,
-                             n_max: tuple[int, ...] = (1, 3, 7), p_min: tuple[float, ...] = (0.5, 0.75, 0.9)) -> dict:
-    """llama.cpp's DFlash 2 drafts against the reference's at the trained block B, on the same
-    contexts: for each --spec-draft-n-max (a block of n_max + 1; B - 1 added), per-position
-    agreement with the reference's walked path and the mean accepted length were the reference's drafts
-    the target's (1 + matching prefix: the tau that block could reach where the trained block reaches
-    B); then --spec-draft-p-min's truncation of the full-block walk, and exact ties in the walks."""
+def registry_sides(pair: str, n_ctx: int = 512):
+    """A registry pair's three sides: (the resolved pair, our runtime, llama.cpp's graph on the same
+    target, the reference draft), single-threaded, f32 KV caches."""
     import torch
 
     import dflash_llama
@@ -238,16 +234,27 @@ def dflash2_acceptance_study(pair: str = DFLASH2_STUDY_PAIR, n_contexts: int = 2
     from dflash_llama.reference.gguf_tensors import target_weights_from_gguf
 
     from . import registry
-    from .graph import LLAMA_LATTICE, drafted_tokens, llama_walk_steps, reference_trace
     from .native import NativeDraft
 
     pairs, defaults = registry.load()
     r = registry.resolve(next(p for p in pairs if p.name == pair), defaults)
     torch.set_num_threads(1)
-    rt = dflash_llama.Runtime(r.target, r.draft, n_threads=1, n_ctx=512, kv_f32=True, compact_draft_head=False)
-    native = NativeDraft(rt, r.draft, n_ctx=512, n_threads=1)
+    rt = dflash_llama.Runtime(r.target, r.draft, n_threads=1, n_ctx=n_ctx, kv_f32=True, compact_draft_head=False)
     tw = target_weights_from_gguf(r.target)
-    ref_draft = load_draft(r.draft_hf, tw.embed_tokens, tw.lm_head)
+    return r, rt, NativeDraft(rt, r.draft, n_ctx=n_ctx, n_threads=1), load_draft(r.draft_hf, tw.embed_tokens,
+                                                                               tw.lm_head)
+
+
+def dflash2_acceptance_study(pair: str = DFLASH2_STUDY_PAIR, n_contexts: int = 24,
+                             n_max: tuple[int, ...] = (1, 3, 7), p_min: tuple[float, ...] = (0.5, 0.75, 0.9)) -> dict:
+    """llama.cpp's DFlash 2 drafts against the reference's at the trained block B, on the same
+    contexts: for each --spec-draft-n-max (a block of n_max + 1; B - 1 added), per-position
+    agreement with the reference's walked path and the mean accepted length were the reference's drafts
+    the target's (1 + matching prefix: the tau that block could reach where the trained block reaches
+    B); then --spec-draft-p-min's truncation of the full-block walk, and exact ties in the walks."""
+    from .graph import LLAMA_LATTICE, drafted_tokens, llama_walk_steps, reference_trace
+
+    _, rt, native, ref_draft = registry_sides(pair)
     B, k, mask = rt.block_size, native.selector_top_k, rt.mask_token_id
     feats, full, starts = dflash2_contexts(rt, n_contexts)
     widths = sorted({*(n for n in n_max if n < B - 1), B - 1})  # draft-dflash clamps n_max to B - 1

@@ -5,6 +5,8 @@ one), and every registry fixture pair exact through the patched tool.
     python -m dflash_llama.parity.patched       # the whole series: every finding before and after,
                                                 # then every registry fixture pair exact through it
     python -m dflash_llama.parity.patched patches/u5-dflash-full-block.patch
+                                                # one patch, on the earlier patches of the series
+                                                # that touch its files (`on_its_predecessors`)
 """
 
 from __future__ import annotations
@@ -38,27 +40,53 @@ def patched_tool(patch, work: str | Path | None = None, tool: str = "llama-specu
 
 
 _DRAFTED = re.compile(r"draft candidate\s+0, pos\s+(\d+):\s+(-?\d+)\s+\(\s*([0-9.]+)\)")
+_ACCEPTED = re.compile(r"accepted (\d+)/\d+ draft tokens, the last target token is: \((-?\d+)\)")
+
+
+# the KV caches in f32 and no flash attention, as NativeDraft and the reference compute
+F32_CACHES = ("-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32")
+
+
+def _debug_log(exe: Path, target: Path, draft: Path, prompt: str, n_max: int, n_predict: int,
+               f32: bool = False) -> str:
+    """The tool's draft-dflash run at debug verbosity (-lv 5): its whole log (`f32`: F32_CACHES, -fa off)."""
+    from dflash_llama import peers
+
+    from .native import FLASH_ATTN
+
+    r = peers.run_tool(peers.speculative_command(target, prompt, n_predict, "draft-dflash", draft=draft, n_max=n_max,
+                                                 threads=1, n_ctx=256, flash_attn="off" if f32 else FLASH_ATTN,
+                                                 extra_args=["-lv", "5", *(F32_CACHES if f32 else ())], exe=exe))
+    if not r.ok:
+        raise RuntimeError(f"{exe.name} failed: {r.log_tail()}")
+    return r.stdout + r.stderr
 
 
 def draft_log(exe: Path, target: Path, draft: Path, prompt: str, n_max: int,
               n_predict: int = 8) -> list[list[tuple[int, float]]]:
     """Per draft step, the top candidate (token, probability) at each block position, from the
     tool's debug log (-lv 5)."""
-    from dflash_llama import peers
-
-    from .native import FLASH_ATTN
-
-    r = peers.run_tool(peers.speculative_command(target, prompt, n_predict, "draft-dflash", draft=draft, n_max=n_max,
-                                                 threads=1, n_ctx=256, flash_attn=FLASH_ATTN, extra_args=["-lv", "5"],
-                                                 exe=exe))
-    if not r.ok:
-        raise RuntimeError(f"{exe.name} failed: {r.log_tail()}")
     blocks: list[list[tuple[int, float]]] = []
-    for pos, tok, p in _DRAFTED.findall(r.stdout + r.stderr):
+    for pos, tok, p in _DRAFTED.findall(_debug_log(exe, target, draft, prompt, n_max, n_predict)):
         if int(pos) == 0:
             blocks.append([])
         blocks[-1].append((int(tok), float(p)))
     return blocks
+
+
+def draft_steps(exe: Path, target: Path, draft: Path, prompt: str, n_max: int,
+                n_predict: int = 8) -> list[tuple[list[int], int, int]]:
+    """Per verify step of the tool's debug log (KV caches in f32, -fa off): (the tokens drafted, how
+    many the target accepted, the target's token after them), in order."""
+    steps, drafted = [], []
+    for line in _debug_log(exe, target, draft, prompt, n_max, n_predict, f32=True).splitlines():
+        if m := _DRAFTED.search(line):
+            drafted = [] if int(m.group(1)) == 0 else drafted
+            drafted.append(int(m.group(2)))
+        elif m := _ACCEPTED.search(line):
+            steps.append((drafted, int(m.group(1)), int(m.group(2))))
+            drafted = []
+    return steps
 
 
 def _builds(patched: Build) -> tuple[Build, Build]:
@@ -245,6 +273,84 @@ def show_u5(patched: Build) -> dict:
     return out
 
 
+U10_PAIRS = ("tiny-dflash2-f32", "tiny-dflash2-llama-f32")  # DFlash 2, non-causal, blocks 8 and 16
+
+
+def _u10_pair(patched: Build, pair: str, n_maxes: tuple[int, ...]) -> dict:
+    """One DFlash 2 registry pair: the patched tool's drafts at each --spec-draft-n-max, step by step,
+    against the first n_max of the reference's walk over the trained block on the same context; the
+    pinned build's (llama.cpp's graph on its block of n_max + 1) against the same; both tools exact."""
+    from .findings import PROMPT, registry_sides
+    from .graph import drafted_tokens, reference_trace
+
+    r, rt, native, ref_draft = registry_sides(pair, n_ctx=256)
+    B, mask, exe = rt.block_size, rt.mask_token_id, patched.tool("llama-speculative-simple")
+    prompt = rt.tokenize(PROMPT)
+    out = {"block_size": B, "pinned": {}, "patched": {}}
+    for n in n_maxes:
+        steps = draft_steps(exe, r.target, r.draft, PROMPT, n)
+        full, starts = list(prompt), []
+        for drafted, k, last in steps:  # the sequence the tool produced, and each step's anchor
+            starts.append(len(full) - 1)
+            full += drafted[:k] + [last]
+        feats = rt.capture(full)
+        same = {"pinned": 0, "patched": 0}
+        for (drafted, _, _), t in zip(steps, starts):
+            want = drafted_tokens(reference_trace(ref_draft, feats[:t], [full[t]] + [mask] * (B - 1)), rt.n_vocab)[:n]
+            pinned = drafted_tokens(native.trace(feats[:t], [full[t]] + [mask] * n), rt.n_vocab,
+                                    native.selector_top_k)[:n]
+            same["patched"] += drafted == want
+            same["pinned"] += pinned == want
+        for build in _builds(patched):
+            out[build.name][n] = {"steps": len(steps), "same_as_reference": same[build.name],
+                                  **_greedy_pair(build.tool("llama-speculative-simple"), r.target, r.draft, n_max=n)}
+    return out
+
+
+def show_u10(patched: Build, n_maxes: tuple[int, ...] = (3, 7)) -> dict:
+    """U10 before and after: a DFlash 2 draft at --spec-draft-n-max 3 (the default) and 7, on the
+    tiny DFlash 2 registry pairs (block 8 and 16): each draft step's tokens against the reference's
+    walk over the trained block. The pinned build decodes a block of n_max + 1 (llama.cpp's graph
+    run on that block, since its walk logs nothing); the patched tool's debug log shows its drafts."""
+    out = {pair: _u10_pair(patched, pair, n_maxes) for pair in U10_PAIRS}
+    runs = [(pair, build, n) for pair in U10_PAIRS for build in ("pinned", "patched") for n in n_maxes]
+    out["fixed"] = (all(out[p]["patched"][n]["same_as_reference"] == out[p]["patched"][n]["steps"] > 0
+                        for p in U10_PAIRS for n in n_maxes)
+                    and any(out[p]["pinned"][3]["same_as_reference"] < out[p]["pinned"][3]["steps"] for p in U10_PAIRS)
+                    and all(out[p][b][n]["exact"] for p, b, n in runs))
+    def block(p, b, n):
+        return n + 1 if b == "pinned" else max(out[p]["block_size"], n + 1)
+
+    out["lines"] = [f"{b:8s} {p} (trained block {out[p]['block_size']}) --spec-draft-n-max {n}, a block of "
+                    f"{block(p, b, n)}: drafts equal the reference's trained-block walk at "
+                    f"{out[p][b][n]['same_as_reference']}/{out[p][b][n]['steps']} steps; the tool's greedy text "
+                    + ("exact" if out[p][b][n]["exact"] else "NOT exact") for p, b, n in runs]
+    return out
+
+
+def tool_tau(build: Build, target: Path, draft: Path, n_maxes: tuple[int, ...] = (3, 7), n_prompts: int = 10,
+             n_predict: int = 64) -> dict[int, dict]:
+    """`build`'s llama-speculative-simple, greedy, -fa off, on `n_prompts` HumanEval prompts at each
+    --spec-draft-n-max: n_max -> {tau (tokens per target decode, over all prompts), exact (prompts whose
+    text equals the same tool's drafting nothing, over the shorter: a last verify may pass -n), prompts}."""
+    from dflash_llama import peers, prompts
+
+    texts = [p.text for p in prompts.spread(prompts.load("humaneval"), n_prompts)]
+
+    def run(text, n):
+        return peers.speculative(target, text, n_predict, "draft-dflash", draft=draft, n_max=n, threads=1,
+                                 n_ctx=1024, flash_attn="off", exe=build.tool("llama-speculative-simple"))
+
+    plain = [run(t, 0).text for t in texts]
+    out = {}
+    for n in n_maxes:
+        runs = [run(t, n) for t in texts]
+        tokens, accepted = sum(r.n_tokens for r in runs), sum(r.n_accept for r in runs)
+        same = [bool(p) and r.text[:len(p)] == p[:len(r.text)] for r, p in zip(runs, plain)]
+        out[n] = {"tau": tokens / (tokens - accepted), "exact": sum(same), "prompts": len(texts)}
+    return out
+
+
 def show_u4(patched: Build) -> dict:
     """U4 before and after: the top-candidate probabilities draft-dflash computes for the first block,
     against the published logits' (output_multiplier 0.25, soft-cap 2)."""
@@ -294,11 +400,27 @@ def _fixture_lines(build: Build, result: dict[str, dict]) -> list[str]:
 SHOW = {"U1": ("u1-dflash-default-target-layers.patch", show_u1), "U2": ("u2-dflash-last-layer-tap.patch", show_u2),
         "U3": ("u3-dflash-causal-sliding-layers.patch", show_u3),
         "U4": ("u4-dflash1-logit-scale.patch", show_u4), "U5": ("u5-dflash-full-block.patch", show_u5),
-        "U7": ("u7-gemma3-layer-inputs.patch", show_u7), "U9": ("u9-dflash-speculators-format.patch", show_u9)}
+        "U7": ("u7-gemma3-layer-inputs.patch", show_u7), "U9": ("u9-dflash-speculators-format.patch", show_u9),
+        "U10": ("u10-dflash2-full-block.patch", show_u10)}
 
 # findings of findings.py with no patch yet, and why (docs/upstream_status.md)
-UNPATCHED = {"U10": "the fix is clear (run DFlash 2's trained block and walk only the first n_max slots, as the U5 "
-                    "patch does for DFlash 1) but not written yet"}
+UNPATCHED: dict[str, str] = {}
+
+
+def on_its_predecessors(patches: list[Path]) -> list[Path]:
+    """`patches` (of the series or not), each after the earlier patches of the series that touch its
+    files, theirs in turn: a patch of the series is a diff against the tree those leave (u10 follows
+    u5). In series order; a patch outside the series last."""
+    in_series = series()
+    order = {p.name: i for i, p in enumerate(in_series)}
+    names = {p.name for p in patches}
+    for patch in patches:
+        files = set(touched_files(patch))
+        for earlier in reversed(in_series[:order.get(patch.name, len(in_series))]):
+            if files & set(touched_files(earlier)):
+                names.add(earlier.name)
+                files |= set(touched_files(earlier))
+    return [p for p in in_series if p.name in names] + [p for p in patches if p.name not in order]
 
 
 def show(findings: list[str], patched: Build) -> int:
@@ -327,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no demonstration for {', '.join(unknown)}; known: {', '.join(by_patch)}", file=sys.stderr)
             return 2
         findings = [by_patch[p.name] for p in patches]
+        patches = on_its_predecessors(patches)
     build = patched_build(patches)
     failed = show(findings, build)
     if not argv:  # the whole series: every fixture pair exact through the patched tool

@@ -42,7 +42,7 @@ def test_series_names_every_patch_in_order():
     assert names == ["u1-dflash-default-target-layers.patch", "u2-dflash-last-layer-tap.patch",
                      "u3-dflash-causal-sliding-layers.patch", "u4-dflash1-logit-scale.patch",
                      "u5-dflash-full-block.patch", "u7-gemma3-layer-inputs.patch",
-                     "u9-dflash-speculators-format.patch"]
+                     "u9-dflash-speculators-format.patch", "u10-dflash2-full-block.patch"]
     assert sorted(names) == sorted(p.name for p in patched.PATCHES.glob("*.patch"))
     assert {f: patch for f, (patch, _) in patched.SHOW.items()} == {
         "U" + n[1:].split("-")[0]: n for n in names}  # one patch per finding
@@ -59,9 +59,9 @@ def test_series_builds_only_the_touched_units_then_comes_from_the_cache(build):
         "compiling patched src/models/dflash.cpp", "compiling patched src/models/gemma3.cpp"]
     again: list[str] = []
     assert patched.patched_build(log=again.append) == build and again == []
-    # one patch less: a new build, every object reused (incremental over the series)
+    # one patch less (the converter's U9): a new build, every object reused (incremental over the series)
     fewer: list[str] = []
-    other = patched.patched_build(patched.series()[:-1], log=fewer.append)
+    other = patched.patched_build([p for p in patched.series() if not p.name.startswith("u9-")], log=fewer.append)
     assert other.tree != build.tree
     assert fewer == ["linking patched llama-speculative-simple", "linking patched llama-server"]
     r = subprocess.run([str(build.tool("llama-server")), "--version"], capture_output=True, text=True)
@@ -108,6 +108,23 @@ def test_u4_and_u5_gone(build):
     u4 = patched.show_u4(build)
     assert (u4["published"], u4["raw"], u4["pinned"], u4["patched"]) == (0.114, 0.249, 0.249, 0.114)
     assert u4["fixed"] and u5["fixed"]
+
+
+def test_u10_dflash2_drafts_from_its_trained_block(build):
+    """At --spec-draft-n-max 3 and 7, the patched tool's DFlash 2 drafts are the first n_max of the
+    reference's walk over the trained block (8, 16) at every step; the pinned block of n_max + 1 walks
+    other tokens unless it is the trained block (n_max 7, block 8); every run exact."""
+    build, _ = build
+    u10 = patched.show_u10(build)
+    steps = {p: {b: {n: (u10[p][b][n]["same_as_reference"], u10[p][b][n]["steps"], u10[p][b][n]["exact"])
+                     for n in (3, 7)} for b in ("pinned", "patched")} for p in patched.U10_PAIRS}
+    assert steps == {"tiny-dflash2-f32": {"pinned": {3: (0, 9, True), 7: (9, 9, True)},
+                                          "patched": {3: (9, 9, True), 7: (9, 9, True)}},
+                     "tiny-dflash2-llama-f32": {"pinned": {3: (0, 9, True), 7: (0, 9, True)},
+                                                "patched": {3: (9, 9, True), 7: (9, 9, True)}}}
+    assert u10["fixed"]
+    assert ("patched  tiny-dflash2-llama-f32 (trained block 16) --spec-draft-n-max 3, a block of 16: drafts equal "
+            "the reference's trained-block walk at 9/9 steps; the tool's greedy text exact") in u10["lines"]
 
 
 def test_u3_sliding_layers_draft_as_our_runtime(build):
