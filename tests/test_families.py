@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import dflash_llama
@@ -26,6 +27,8 @@ GGUF_ARCH = {"qwen3": "qwen3", "llama": "llama", "qwen3moe": "qwen3moe", "gpt-os
              "gemma3": "gemma3", "qwen35": "qwen35", "qwen35moe": "qwen35moe"}
 BLOCK_SIZES = [2, 4, 8, 16]
 DRAFT_MAX = [None, "auto"]  # every drafted token verified; the adaptive loop
+# (draft_max, ngram): the whole block; the adaptive loop without and with its n-gram source
+MODES = [(None, None), ("auto", False), ("auto", True)]
 N_NEW = 16
 OTHER_PROMPTS = [
     "def fibonacci(n):", "The capital of France is", "import numpy as np\n", "Once upon a time",
@@ -55,11 +58,27 @@ class Pair:
         self.root = root
         self._plain: dict[str, object] = {}
 
-    def plain(self, prompt: str):
+    def plain(self, prompt: str | list[int]):
         """Plain greedy decoding of N_NEW tokens (once per prompt: both drafts compare with it)."""
-        if prompt not in self._plain:
-            self._plain[prompt] = self.rt.autoregressive(prompt, N_NEW)
-        return self._plain[prompt]
+        key = prompt if isinstance(prompt, str) else tuple(prompt)
+        if key not in self._plain:
+            self._plain[key] = self.rt.autoregressive(prompt, N_NEW)
+        return self._plain[key]
+
+    def repeated(self, prompt: str) -> list[int]:
+        """The prompt's tokens after pairs [last, t] for the 8 likeliest next tokens t of it, and of each
+        such longer prompt in turn (at most 4 rounds, until the likeliest one is among them): the n-gram
+        source then has a proposal after the first generated token."""
+        base = self.rt.tokenize(prompt)
+        covered: list[int] = []
+        tokens = base
+        for _ in range(4):
+            likeliest = [int(t) for t in np.argsort(-self.rt.target_logits(tokens)[-1], kind="stable")[:8]]
+            if likeliest[0] in covered:
+                break
+            covered += [t for t in likeliest if t not in covered]
+            tokens = [x for t in covered for x in (base[-1], t)] + base
+        return tokens
 
     def dflash2(self) -> dflash_llama.Runtime:
         """A runtime with a random DFlash 2 draft (kernel 2, groups of 16, rank 16, top-4; block 16)."""
@@ -119,22 +138,30 @@ def test_the_reference_reads_the_target_gguf(pair):
 
 
 def test_greedy_dflash_equals_plain_decoding(pair):
-    """30 prompts x block sizes 2, 4, 8, 16, the whole block verified on even prompts and the adaptive
-    loop on odd ones (15 prompts per block size and draft length): each generation equals plain
-    greedy decoding token for token."""
+    """30 prompts x block sizes 2, 4, 8, 16, in turn the whole block verified, the adaptive loop
+    without its n-gram source, and the adaptive loop with it on the prompt repeated after its plain
+    continuation (10 prompts per block size and mode): each generation equals plain greedy decoding
+    token for token, and n-gram proposals were verified."""
     assert len(PROMPTS) == 30
-    for i, prompt in enumerate(PROMPTS):
+    ngram_steps = 0
+    for i, text in enumerate(PROMPTS):
+        draft_max, ngram = MODES[i % 3]
+        prompt = pair.repeated(text) if ngram else text
         ar = pair.plain(prompt)
         assert len(set(ar.tokens)) > 1, f"{pair.family}: prompt {i} repeats one token"  # a live target
-        draft_max = DRAFT_MAX[i % 2]
         for block in BLOCK_SIZES:
-            spec = pair.rt.generate(prompt, N_NEW, block_size=block, draft_max=draft_max)
-            assert_same(spec, ar, f"{pair.family}: prompt {i}, block {block}, draft_max {draft_max}")
+            spec = pair.rt.generate(prompt, N_NEW, block_size=block, draft_max=draft_max, ngram=ngram)
+            where = f"{pair.family}: prompt {i}, block {block}, draft_max {draft_max}, ngram {ngram}"
+            assert_same(spec, ar, where)
             assert all(len(s.drafted) <= block - 1 for s in spec.steps)
             if draft_max is None:  # the first verify holds the whole block
                 assert len(spec.steps[0].drafted) == block - 1
-            else:  # the adaptive loop knows its step costs: it starts plain, probing with a shadow draft
+            elif not ngram:  # the adaptive loop knows its step costs: it starts plain, probing with a shadow draft
                 assert spec.steps[0].drafted == [] and spec.policy.shadow_probes >= 1
+                assert spec.policy.ngram_steps == 0
+            else:
+                ngram_steps += spec.policy.ngram_steps
+    assert ngram_steps >= 10, f"{pair.family}: {ngram_steps} n-gram proposals verified"
 
 
 def test_greedy_dflash2_equals_plain_decoding(pair):
