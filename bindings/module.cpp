@@ -120,6 +120,7 @@ void bind_policy_summary(nb::module_ & m) {
         .def_ro("probes", &policy_summary::probes)
         .def_ro("shadow_probes", &policy_summary::shadow_probes)
         .def_ro("calibration_ms", &policy_summary::calibration_ms)
+        .def_ro("plain_ms", &policy_summary::plain_ms)
         .def_prop_ro("mean_draft", &policy_summary::mean_draft)
         .def_prop_ro("plain_share", &policy_summary::plain_share)
         .def_prop_ro("predicted_tokens_per_second", &policy_summary::predicted_tokens_per_second);
@@ -177,6 +178,16 @@ void bind_generate_stats(nb::module_ & m) {
         .def_prop_ro("tokens_per_second", &generate_stats::tokens_per_second);
 }
 
+void bind_thread_choice(nb::module_ & m) {
+    using dflash::thread_choice;
+    nb::class_<thread_choice>(m, "ThreadChoice")
+        .def_ro("n_threads", &thread_choice::n_threads)
+        .def_ro("measured", &thread_choice::measured)
+        .def_ro("counts", &thread_choice::counts)
+        .def_ro("plain_ms", &thread_choice::plain_ms)
+        .def_ro("measurements", &thread_choice::measurements);
+}
+
 void bind_generate_result(nb::module_ & m) {
     using dflash::generate_result;
     nb::class_<generate_result>(m, "GenerateResult")
@@ -186,6 +197,7 @@ void bind_generate_result(nb::module_ & m) {
         .def_ro("stats", &generate_result::stats)
         .def_ro("adaptive", &generate_result::adaptive)
         .def_ro("policy", &generate_result::policy)
+        .def_ro("threads", &generate_result::threads)
         .def_prop_ro("tau", &generate_result::tau)
         .def_prop_ro("acceptance_by_position", &generate_result::acceptance_by_position);
 }
@@ -247,6 +259,7 @@ void bind_engine(nb::module_ & m) {
         .def("__init__", &engine_init, "target"_a, "draft"_a, "n_threads"_a, "n_ctx"_a, "n_batch"_a,
              "n_gpu_layers"_a, "kv_f32"_a, "n_seq"_a, "compact_draft_head"_a, "verbose"_a)
         .def_prop_ro("has_draft", &engine::has_draft)
+        .def_prop_ro("threads", &engine::threads)
         .def_prop_ro("compact_draft_head", [](engine & e) { return e.has_draft() && e.draft().compact_head(); })
         .def_prop_ro("n_ctx", [](engine & e) { return e.target().n_ctx(); })
         .def_prop_ro("n_vocab", [](engine & e) { return e.target().n_vocab(); })
@@ -295,6 +308,7 @@ NB_MODULE(_core, m) {
     bind_draft_policy(m);
     bind_ngram_index(m);
     bind_generate_stats(m);
+    bind_thread_choice(m);
     bind_generate_result(m);
     bind_engine(m);
     bind_native_draft(m);

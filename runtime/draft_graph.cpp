@@ -191,6 +191,10 @@ void draft_runner::make_compact_head() {
     head_ = head;
 }
 
+void draft_runner::set_threads(int32_t n_threads) {
+    ggml_backend_cpu_set_n_threads(backend_cpu_, n_threads);
+}
+
 draft_runner::~draft_runner() {
     if (sched_)       ggml_backend_sched_free(sched_);
     if (kv_buf_)      ggml_backend_buffer_free(kv_buf_);

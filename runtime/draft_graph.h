@@ -83,6 +83,9 @@ public:
     // Forgets cached context at positions >= n.
     void crop(int32_t n);
 
+    // CPU threads of the graphs from now on.
+    void set_threads(int32_t n_threads);
+
     int32_t n_cached() const { return n_cached_; }
     int32_t n_vocab()  const { return n_vocab_; }       // the target's vocabulary (block tokens)
     int32_t n_head_rows() const { return n_head_rows_; } // logits per position: n_vocab, or the d2t size

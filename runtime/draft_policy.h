@@ -75,6 +75,7 @@ struct policy_summary {
     int32_t probes      = 0;        // probes of drafting from plain mode (drafting steps or shadow probes)
     int32_t shadow_probes = 0;      // of them: draft forwards scored by the plain steps after them
     double  calibration_ms = 0.0;   // time spent measuring step_costs for this generation (0: known)
+    double  plain_ms    = 0.0;      // a plain step's cost at the end (its running average; 0: unknown)
     int64_t drafted     = 0;        // sum of N over drafting steps
     int64_t draft_accepted = 0;     // drafted tokens accepted
     int64_t ngram_drafted  = 0;     // n-gram tokens verified

@@ -6,7 +6,9 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <stdexcept>
+#include <thread>
 
 namespace dflash {
 
@@ -14,6 +16,8 @@ engine::engine(const engine_params & params) {
     log_init(params.verbose);
     target_ = std::make_unique<target_runner>(params.target);
     if (params.draft_path.empty()) {
+        threads_.n_threads = (int32_t) llama_n_threads(target_->context());
+        threads_due_ = params.target.n_threads == 0;
         return;
     }
     draft_model_ = std::make_unique<draft_model>();
@@ -29,6 +33,8 @@ engine::engine(const engine_params & params) {
     target_->reserve_rollback(draft_model_->hparams.block_size - 1);
     const int32_t n_threads = params.target.n_threads > 0 ? params.target.n_threads
                                                           : (int32_t) llama_n_threads(target_->context());
+    threads_.n_threads = n_threads;
+    threads_due_ = params.target.n_threads == 0;
     draft_runner_ = std::make_unique<draft_runner>(*draft_model_, target_->model(), target_->n_ctx(), n_threads,
                                                    params.compact_draft_head, device);
 }
@@ -55,15 +61,73 @@ const step_costs * engine::measured_step_costs(int32_t block_size) const {
     return it == policy_memory_.end() || it->second.costs.verify.empty() ? nullptr : &it->second.costs;
 }
 
+void engine::set_threads(int32_t n_threads) {
+    llama_set_n_threads(target_->context(), n_threads, n_threads);
+    if (draft_runner_) draft_runner_->set_threads(n_threads);
+    threads_.n_threads = n_threads;
+}
+
+// A plain decode of one token at each candidate count, the best of three after a warm-up; the
+// fastest count is kept. The caches are left empty (every generation starts from scratch).
+void engine::ensure_threads() {
+    if (!threads_due_) return;
+    threads_due_ = false;
+    const int32_t n_hw = (int32_t) std::max(1u, std::thread::hardware_concurrency());
+    std::vector<int32_t> counts = { 1 };
+    for (const int32_t c : { 2, n_hw }) {
+        if (c <= n_hw && c != counts.back()) counts.push_back(c);
+    }
+    const int32_t token = 0;
+    target_->set_capture({});
+    std::vector<double> ms;
+    for (const int32_t c : counts) {
+        set_threads(c);
+        double best = 0.0;
+        for (int rep = 0; rep < 4; ++rep) {
+            const auto t0 = std::chrono::steady_clock::now();
+            target_->decode(&token, 1, 0, /*all_logits=*/false);
+            const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+            target_->rollback(0);
+            if (rep == 1 || (rep > 1 && t < best)) best = t;  // rep 0 warms up
+        }
+        ms.push_back(best);
+    }
+    const size_t pick = std::min_element(ms.begin(), ms.end()) - ms.begin();
+    set_threads(counts[pick]);
+    threads_.measured = true;
+    threads_.counts   = counts;
+    threads_.plain_ms = ms;
+    threads_.measurements += 1;
+}
+
+void engine::check_drift(double plain_ms, int32_t n_plain) {
+    if (!threads_.measured || n_plain < kDriftSteps || plain_ms <= 0.0) return;
+    const size_t i = std::find(threads_.counts.begin(), threads_.counts.end(), threads_.n_threads) - threads_.counts.begin();
+    if (i < threads_.plain_ms.size() && plain_ms > kDrift * threads_.plain_ms[i]) {
+        threads_due_ = true;
+        for (auto & [block, memory] : policy_memory_) memory.costs = step_costs{};  // measured at the old count
+    }
+}
+
 generate_result engine::generate(const std::vector<int32_t> & prompt, const generate_params & params,
                                  const token_callback & on_tokens) {
+    draft();  // no draft: refused before any measuring
+    ensure_threads();
     policy_memory * memory = params.adaptive ? &policy_memory_[params.block_size.value_or(hparams().block_size)] : nullptr;
-    return generate_speculative(*target_, draft(), prompt, params, on_tokens, memory);
+    generate_result res = generate_speculative(*target_, draft(), prompt, params, on_tokens, memory);
+    res.threads = threads_;
+    if (res.adaptive) check_drift(res.policy.plain_ms, res.policy.plain_steps);
+    return res;
 }
 
 generate_result engine::autoregressive(const std::vector<int32_t> & prompt, const generate_params & params,
                                        const token_callback & on_tokens) {
-    return generate_autoregressive(*target_, prompt, params, on_tokens);
+    ensure_threads();
+    generate_result res = generate_autoregressive(*target_, prompt, params, on_tokens);
+    res.threads = threads_;
+    const int32_t n_decodes = res.stats.n_generated - 1;  // the first token comes from the prompt's decode
+    if (n_decodes > 0) check_drift(res.stats.t_verify_ms / n_decodes, n_decodes);
+    return res;
 }
 
 std::vector<generate_result> engine::autoregressive_batch(const std::vector<std::vector<int32_t>> & prompts,

@@ -1,5 +1,11 @@
 // A target and (optionally) a DFlash draft loaded together and checked against each other: what the
 // CLI and the Python API drive. Without a draft it decodes autoregressively only.
+//
+// Threads: with n_threads 0 (-t not given) the engine measures a plain decode at 1, 2 and all
+// hardware threads before its first generation and keeps the fastest (ggml's threads wait for each
+// other: when another process holds a core, fewer threads decode faster). When a generation's plain
+// steps run kDrift times slower than measured, over kDriftSteps of them or more, it measures again
+// (and the adaptive loop's step costs with it) before the next generation. -1: all hardware threads.
 #pragma once
 
 #include "draft_graph.h"
@@ -55,7 +61,19 @@ public:
     // greedy walk from block[0] (selector.h: selector_*). The draft cache is left empty.
     draft_trace trace_draft(const std::vector<float> & features, int32_t n_ctx_tokens, const std::vector<int32_t> & block);
 
+    // The thread count in use and why (before the first generation: as given, or all CPUs until measured).
+    const thread_choice & threads() const { return threads_; }
+
+    static constexpr double  kDrift      = 1.5;  // plain steps this much slower than measured: measure again
+    static constexpr int32_t kDriftSteps = 8;    // over at least this many plain steps of a generation
+
 private:
+    void ensure_threads();                        // measure the thread count when due
+    void set_threads(int32_t n_threads);
+    void check_drift(double plain_ms, int32_t n_plain);  // after a generation: its plain steps' cost
+
+    thread_choice threads_;
+    bool          threads_due_ = false;  // measure before the next generation
     std::map<int32_t, policy_memory> policy_memory_;  // per block size: the adaptive loop's, between generations
     std::unique_ptr<target_runner> target_;
     std::unique_ptr<draft_model>   draft_model_;

@@ -561,6 +561,7 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
     }
     res.policy = policy.summary();
     res.policy.calibration_ms = calibration_ms;
+    res.policy.plain_ms = policy.expected_ms(0);
     if (memory != nullptr && params.adaptive) memory->probe_wait = policy.probe_wait();
 
     res.stats.n_generated = (int32_t) res.tokens.size();

@@ -53,6 +53,15 @@ struct generate_stats {
     }
 };
 
+// How many CPU threads decoded, and why (engine.h: measured when not given).
+struct thread_choice {
+    int32_t n_threads = 0;       // in use
+    bool    measured  = false;   // chosen by measurement (-t not given), else as given
+    std::vector<int32_t> counts;    // the counts measured
+    std::vector<double>  plain_ms;  // a plain decode at each, the best of a few (ms)
+    int32_t measurements = 0;    // times measured; more than 1: measured again after a drift
+};
+
 struct generate_result {
     std::vector<int32_t>     tokens;       // generated tokens, prompt excluded
     std::vector<step_record> steps;        // one per target verify (empty for autoregressive)
@@ -60,6 +69,7 @@ struct generate_result {
     generate_stats           stats;
     bool                     adaptive = false;  // the steps were chosen by the adaptive loop
     policy_summary           policy;            // what it chose (adaptive only)
+    thread_choice            threads;           // filled by the engine
 
     // mean tokens produced per target verify (plain steps included: one each)
     double tau() const;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -67,20 +68,57 @@ def test_generation_record(rt):
 def test_adaptive_generation_record(rt, n_new):
     """What the policy reports is the steps taken; greedy, it opens plain with a shadow probe (with 3
     tokens one of a single proposal: all the room there is)."""
-    out = rt.generate("def fibonacci(n):", n_new)  # draft_max="auto" by default
+    out = rt.generate("def fibonacci(n):", n_new, ngram=False)  # draft_max="auto" by default
     p = out.policy
     assert isinstance(p, dflash_llama.runtime.Policy)
-    assert p.plain_steps + p.draft_steps == len(out.steps)
+    assert p.plain_steps + p.draft_steps == len(out.steps) and p.ngram_steps == 0
     plain = [s for s in out.steps if not s.drafted]
     assert len(plain) == p.plain_steps and all(s.produced == 1 and s.accepted == 0 for s in plain)
     assert out.steps[0].drafted == [] and p.shadow_probes >= 1
     drafting = [len(s.drafted) for s in out.steps if s.drafted]
     assert p.mean_draft == pytest.approx(sum(drafting) / len(drafting) if drafting else 0.0)
+    assert p.steps_line() == (f"{p.plain_steps} plain, {p.draft_steps} draft (tau {p.draft_tau:.2f}), 0 n-gram "
+                              "(acc 0.00)")
     assert p.shadow_probes <= p.probes <= p.shadow_probes + p.draft_steps
     assert out.to_json()["policy"]["plain_steps"] == p.plain_steps
     assert out.tokens == rt.autoregressive("def fibonacci(n):", n_new).tokens
     with pytest.raises(ValueError, match="draft_max must be an integer, None or 'auto', got 'fast'"):
         rt.generate("def fibonacci(n):", 4, draft_max="fast")
+
+
+def test_ngram_steps_are_counted(rt):
+    """A prompt that repeats itself: the n-gram source proposes, and every step is one of the three kinds."""
+    text = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2"
+    out = rt.generate(text, 24)
+    p = out.policy
+    assert p.ngram_steps >= 1 and p.plain_steps + p.draft_steps + p.ngram_steps == len(out.steps)
+    drafted = sum(len(s.drafted) for s in out.steps)
+    assert drafted == round(p.mean_draft * p.draft_steps) + p.ngram_drafted
+    assert 0 <= p.ngram_accepted <= p.ngram_drafted and p.ngram_acceptance == p.ngram_accepted / p.ngram_drafted
+    assert out.tokens == rt.autoregressive(text, 24).tokens
+    assert out.to_json()["policy"]["ngram_steps"] == p.ngram_steps
+    with pytest.raises(ValueError, match=r"the n-gram source is a choice of the adaptive loop \(draft_max auto\)"):
+        rt.generate(text, 4, draft_max=3, ngram=True)
+    assert rt.generate(text, 4, draft_max=3, ngram=False).policy is None
+
+
+def test_threads_are_measured_unless_given(tiny_target_gguf, tiny_draft_gguf):
+    """n_threads 0: a plain decode timed at 1, 2 and all CPUs, the fastest kept (which one is the
+    machine's business: only the record is checked); n_threads N: as given."""
+    import os
+
+    rt = dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_ctx=128)
+    t = rt.generate("def f(x):", 6).threads
+    cpus = os.cpu_count()
+    assert t.measured and t.measurements == 1 and t.counts == sorted({1, min(2, cpus), cpus})
+    assert len(t.plain_ms) == len(t.counts) and all(ms > 0 for ms in t.plain_ms)
+    assert t.n_threads == t.counts[t.plain_ms.index(min(t.plain_ms))]
+    assert re.fullmatch(rf"{t.n_threads} \(measured \d+\.\d ms( vs \d+\.\d ms at \d+)*\)", t.line()), t.line()
+    assert rt.autoregressive("def f(x):", 6).threads == t  # measured once per Runtime
+    assert rt.generate("def f(x):", 6).to_json()["threads"]["n_threads"] == t.n_threads
+    given = dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=1, n_ctx=128).generate("def f(x):", 4)
+    assert (given.threads.n_threads, given.threads.measured, given.threads.line()) == (1, False, "1 (as given)")
+    assert "threads" not in given.to_json()
 
 
 def test_step_costs_are_measured_once_per_block_size(tiny_target_gguf, tiny_draft_gguf):
@@ -200,17 +238,29 @@ def test_cli_draft_max_and_draft_head_values(tiny_target_gguf, draft_gguf):
     cli = str(paths.tool("llama-dflash-cli"))
     base = [cli, "-m", str(tiny_target_gguf), "-md", str(draft_gguf), "-p", "def f(x):", "-n", "6", "-c", "128"]
     for flags, message in ((["--draft-max", "fast"], "invalid integer for --draft-max: 'fast'"),
-                           (["--draft-head", "q8"], "--draft-head must be compact or target, got 'q8'")):
+                           (["--draft-head", "q8"], "--draft-head must be compact or target, got 'q8'"),
+                           (["--ngram", "yes"], "--ngram must be on or off, got 'yes'"),
+                           (["--draft-max", "3", "--ngram", "on"], "the n-gram source is a choice of the adaptive "
+                                                                   "loop (draft_max auto)")):
         res = subprocess.run(base + flags, capture_output=True, text=True)
         assert res.returncode == 2 and message in res.stderr and res.stderr.count("\n") == 1, res.stderr
     runs = {}
-    for flags in (["--draft-max", "auto"], ["--draft-max", "3"], ["--draft-head", "target"], ["--no-draft"]):
+    for flags in (["--draft-max", "auto"], ["--draft-max", "3"], ["--draft-head", "target"], ["--no-draft"],
+                  ["--ngram", "off"]):
         res = subprocess.run(base + flags + ["--json"], capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
         runs[flags[-1]] = json.loads(res.stdout)
     assert len({tuple(r["tokens"]) for r in runs.values()}) == 1  # the same greedy output every way
     assert "policy" in runs["auto"] and "policy" not in runs["3"]
     assert max(len(s["drafted"]) for s in runs["3"]["steps"]) <= 3
+    assert runs["off"]["policy"]["ngram_steps"] == 0
+    threads = runs["auto"]["threads"]
+    assert threads["measured"] and threads["n_threads"] in threads["counts"]
+    res = subprocess.run(base + ["-p", "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2", "-n", "16"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    steps = r"\nsteps: +\d+ plain, \d+ draft \(tau \d+\.\d\d\), [1-9]\d* n-gram \(acc \d\.\d\d\)\n"
+    assert re.search(steps, res.stderr), res.stderr
+    assert re.search(r"\nthreads: +\d+ \(measured [\d.]+ ms", res.stderr), res.stderr
 
 
 def test_compact_draft_head(tiny_target_gguf, draft_gguf, smollm2_gguf, smollm2_random_draft_gguf):

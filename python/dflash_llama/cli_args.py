@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 N_PREDICT = 128  # tokens to generate, as llama-dflash-cli
-THREADS = 0  # CPU threads; 0 = all
+THREADS = 0  # CPU threads; 0 = all, or for the runtime's own decoding the fastest count, measured
 CTX_SIZE = 4096  # context size per sequence, as llama-dflash-cli
 SEED = 0
 TEMP = 0.0  # greedy
@@ -40,22 +40,27 @@ def add_model_args(p: argparse.ArgumentParser, *, target_help: str, draft_help: 
         p.add_argument("-md", "--model-draft", "--draft", dest="draft", metavar="DRAFT", help=draft_help)
 
 
-def add_generation_args(p: argparse.ArgumentParser, *, prompt: str | None = None, ctx: bool = True) -> None:
+def add_generation_args(p: argparse.ArgumentParser, *, prompt: str | None = None, ctx: bool = True,
+                        measured_threads: bool = False) -> None:
     """-n/--n-predict, -t/--threads and (ctx) -c/--ctx-size, with the shared defaults; -p/--prompt
-    when `prompt` is its default (pass "" for no default)."""
+    when `prompt` is its default (pass "" for no default). measured_threads: -t 0 is the runtime's
+    measured thread count (else all CPUs)."""
     if prompt is not None:
         p.add_argument("-p", "--prompt", default=prompt or None,
                        help="prompt" + (" (default: a small coding task)" if prompt else ""))
     p.add_argument("-n", "--n-predict", type=int, default=N_PREDICT,
                    help=f"tokens to generate (default {N_PREDICT})")
-    add_threads_arg(p)
+    add_threads_arg(p, measured=measured_threads)
     if ctx:
         p.add_argument("-c", "--ctx-size", type=int, default=CTX_SIZE,
                        help=f"context size per sequence (default {CTX_SIZE})")
 
 
-def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-t", "--threads", type=int, default=THREADS, help="CPU threads (default 0: all)")
+def add_threads_arg(p: argparse.ArgumentParser, *, measured: bool = False) -> None:
+    """-t/--threads (0: all CPUs; measured: the runtime measures the fastest count) and -ngl."""
+    p.add_argument("-t", "--threads", type=int, default=THREADS,
+                   help="CPU threads (default 0: measured, the fastest of 1, 2 and all for a plain decode, and "
+                        "again when decoding slows down; -1: all)" if measured else "CPU threads (default 0: all)")
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int, default=0, metavar="N",
                    help="target layers on the GPU (default 0; -1: all; a GPU build only); the draft runs "
                         "on the GPU when the target's output layer does")

@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("-p", "--prompt", help="prompt text (tokenised by the target's tokenizer)")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma separated: 1,2,3")
-    add_generation_args(p)  # -n, -t, -c (threads and context: runtime engine)
+    add_generation_args(p, measured_threads=True)  # -n, -t, -c (threads and context: runtime engine)
     add_block_size_arg(p)
     add_sampling_args(p)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation")

@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, metavar="K",
                    help=f"reduced draft vocabulary of an HF draft directory (convert --draft-vocab; 0: the "
                         f"whole vocabulary; default {DECODE_DRAFT_VOCAB}, or the draft's own where it has one)")
-    add_generation_args(p, prompt=DEFAULT_PROMPT)
+    add_generation_args(p, prompt=DEFAULT_PROMPT, measured_threads=True)
     add_block_size_arg(p)
     add_draft_max_arg(p)
     p.add_argument("--no-check", action="store_true", help="skip the autoregressive comparison")
@@ -96,6 +96,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"acceptance by block position: {acceptance or 'none (no drafted token was verified)'}", file=sys.stderr)
     if spec.policy is not None:
         print(policy_line(spec.policy), file=sys.stderr)
+    if spec.threads is not None:
+        print(f"threads:         {spec.threads.line()}", file=sys.stderr)
     if args.no_check:
         return 0
     t0 = time.perf_counter()

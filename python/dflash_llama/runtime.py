@@ -111,6 +111,28 @@ class Policy:
 
 
 @dataclass
+class Threads:
+    """The CPU threads that decoded: as given (n_threads > 0, or -1: all), or measured (n_threads 0): a plain
+    decode at each count in `counts`, the fastest kept, measured again after a generation whose plain
+    steps ran 1.5x slower than that."""
+
+    n_threads: int
+    measured: bool
+    counts: list[int]
+    plain_ms: list[float]
+    measurements: int = 0
+
+    def line(self) -> str:
+        """'1 (measured 6.1 ms vs 9.8 ms at 2)'."""
+        if not self.measured:
+            return f"{self.n_threads} (as given)"
+        mine = [f" {ms:.1f} ms" for c, ms in zip(self.counts, self.plain_ms) if c == self.n_threads]
+        others = [f" vs {ms:.1f} ms at {c}" for c, ms in zip(self.counts, self.plain_ms) if c != self.n_threads]
+        again = f"; {self.measurements} measurements" if self.measurements > 1 else ""
+        return f"{self.n_threads} (measured{''.join(mine)}{''.join(others)}{again})"
+
+
+@dataclass
 class Generation:
     tokens: list[int]  # generated ids, prompt excluded
     text: str
@@ -120,6 +142,7 @@ class Generation:
     acceptance_by_position: list[float]
     stats: Stats
     policy: Policy | None = None  # the adaptive loop's choices; None for a fixed draft length
+    threads: Threads | None = None  # the CPU threads that decoded (None: batched decoding)
 
     def to_json(self, prompt_ids: Sequence[int] | None = None) -> dict:
         """The `dflash-llama generate --json` object (`results.generation_json`). Plain decoding
@@ -129,6 +152,8 @@ class Generation:
         else:
             steps, tau = plain_steps(len(self.tokens)), None
         extra = {} if self.policy is None else {"policy": asdict(self.policy)}
+        if self.threads is not None and self.threads.measured:
+            extra["threads"] = asdict(self.threads)
         return generation_json(self.tokens, self.text, steps, tau, stop_reason=self.stop_reason,
                                acceptance_by_position=self.acceptance_by_position, stats=asdict(self.stats),
                                prompt_ids=prompt_ids, **extra)
@@ -217,7 +242,9 @@ class Runtime:
     def __init__(self, target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
                  n_threads: int = 0, n_ctx: int = 4096, n_batch: int = 512, n_gpu_layers: int = 0,
                  kv_f32: bool = False, n_seq: int = 1, compact_draft_head: bool = True, verbose: bool = False):
-        """kv_f32: keep the target's KV cache in f32 (llama.cpp's default is f16), for parity runs.
+        """n_threads: CPU threads; 0 (default): measured before the first generation, the fastest of 1, 2
+        and all for a plain decode, and again when decoding slows down; -1: all.
+        kv_f32: keep the target's KV cache in f32 (llama.cpp's default is f16), for parity runs.
         n_seq: sequences `autoregressive_batch` decodes side by side (n_ctx is per sequence).
         compact_draft_head: the draft proposes through a Q4_0 copy of the target's output head (made at
         load, when the target's is larger): a cheaper draft step, the same exact output. False: the
@@ -422,6 +449,8 @@ class Runtime:
             stats=Stats(s.n_prompt, s.n_generated, s.t_prefill_ms, s.t_draft_ms, s.t_verify_ms,
                         s.t_other_ms, s.t_total_ms, s.tokens_per_second),
             policy=_policy(r.policy) if r.adaptive else None,
+            threads=Threads(r.threads.n_threads, r.threads.measured, list(r.threads.counts), list(r.threads.plain_ms),
+                            r.threads.measurements) if r.threads.n_threads > 0 else None,
         )
 
     def _run(self, fn, prompt, params, stream: bool):
