@@ -78,6 +78,7 @@ void engine::ensure_threads() {
         if (c <= n_hw && c != counts.back()) counts.push_back(c);
     }
     const int32_t token = 0;
+    target_->rollback(0);  // a previous generation's tokens stay cached until the next one starts
     target_->set_capture({});
     std::vector<double> ms;
     for (const int32_t c : counts) {

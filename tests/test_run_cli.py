@@ -55,6 +55,8 @@ def test_run_defaults_to_the_adaptive_loop(capsys, cache):
     assert 1 <= shadow <= probes and probes - shadow <= steps - plain  # greedy: it opens with a shadow probe
     assert share == round(100 * plain / steps)
     assert re.search(r"; step costs measured first in \d+ ms\n", err), err
+    m = re.search(r"\nsteps: +(\d+) plain, (\d+) draft \(tau \d+\.\d\d\), (\d+) n-gram \(acc \d\.\d\d\)\n", err)
+    assert m and int(m.group(1)) == plain and sum(map(int, m.groups())) == steps, err
     # the speeds compared: runs that do not stream, in mirrored order (a second round while short)
     timed = re.search(r"speedup \d+\.\d+x \(DFlash [\d.]+ / autoregressive [\d.]+ tok/s, each timed (\d) times: "
                       r"(A D D A(?: D A A D)?)\)", err)
