@@ -242,6 +242,46 @@ def row_check(target: Path, draft: Path, prompts: Sequence[str] = PROMPTS, *, n_
     return {"anchors": len(own), "own_rows": sum(own) / len(own), "neighbour_rows": sum(other) / len(other)}
 
 
+# --- the rollback check (finding U11): exactness of the hybrid target's text when every verify
+# rolls back; the fixture target and a random draft (parity/registry.toml's tiny-qwen35-f32 pair)
+ROLLBACK_DRAFT = dict(layers=2, target_layer_ids=[1, 2], block_size=8, seed=35)
+
+
+def fixture_pair(out_dir: str | Path, family: str = "qwen35") -> tuple[Path, Path]:
+    """The tiny `family` fixture target and a random DFlash draft for it (GGUF f32 both), in out_dir."""
+    from dflash_llama.converter import convert
+
+    out = Path(out_dir)
+    target, draft = out / f"fixture-{family}.gguf", out / f"fixture-{family}-random-draft.gguf"
+    if not draft.exists():
+        hf = fixtures.tiny_target_hf(out / f"fixture-{family}-hf", fixtures.TinyTargetConfig(family=family))
+        fixtures.tiny_target_gguf(hf, target, family=family)
+        draft_hf = fixtures.tiny_draft_hf(out / f"fixture-{family}-random-draft-hf", hf,
+                                          fixtures.TinyDraftConfig(**ROLLBACK_DRAFT))
+        convert(draft_hf, target, draft, outtype="f32")
+    return target, draft
+
+
+def rollback_check(out_dir: str | Path, *, runs: int = 6, n_max: int = 7, n_predict: int = 48, threads: int = 1,
+                   family: str = "qwen35") -> dict:
+    """A random draft is never accepted, so every verify of n_max + 1 tokens rolls the target back by
+    n_max. Serves PROMPTS with it `runs` times at -np 1 and at -np 8 (--kv-unified) and counts the
+    runs in which some text differs from the plain target's greedy text (-np 1, no draft)."""
+    target, draft = fixture_pair(out_dir, family)
+    prompts = [(str(i), p) for i, p in enumerate(PROMPTS)]
+    ref = serve(target, None, PROMPTS, n_predict=n_predict, n_max=None, parallel=1, threads=threads).texts
+    out = {"target": str(target), "draft": str(draft), "n_max": n_max, "runs": runs}
+    for parallel in PARALLEL:
+        differing = []
+        for _ in range(runs):
+            with server.LlamaServer(target, draft, threads=threads, n_ctx=256, n_parallel=parallel, n_max=n_max,
+                                    extra_args=["--kv-unified"]) as srv:
+                res = server.load_test(srv.url, prompts, n_predict, parallel)
+            differing.append([int(r.prompt_id) for r in res.requests if r.text != ref[int(r.prompt_id)]])
+        out[f"np{parallel}"] = differing
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash_llama.bench.serving_check", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("serving-check"),
@@ -252,7 +292,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="--spec-draft-n-max values (default 3,7)")
     p.add_argument("-t", "--threads", type=int, default=1, help="threads of training and of the server (default 1)")
     p.add_argument("--repeats", type=int, default=3, help="runs at -np 8 per draft and n-max (default 3)")
+    p.add_argument("--rollback-check", type=int, nargs="?", const=6, default=0, metavar="RUNS",
+                   help="instead: the tiny qwen35 fixture target with a random draft (every verify rolls back), "
+                        "RUNS times (default 6) at -np 1 and 8; writes rollback_check.json")
     args = p.parse_args(argv)
+    if args.rollback_check:
+        return _print_rollback_check(args)
     variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in variants if v not in ("dflash", "dflash2")]
     if bad or not variants:
@@ -273,6 +318,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['own_rows']:.2f} with the request's own target rows, {c['neighbour_rows']:.2f} with its "
               f"neighbour's")
     return 0
+
+
+def _print_rollback_check(args: argparse.Namespace) -> int:
+    """Exit status: 1 when -np 8 changed a text that -np 1 did not, else 0."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = rollback_check(args.out, runs=args.rollback_check, n_max=max(args.n_max), n_predict=args.n_predict,
+                         threads=args.threads)
+    (args.out / "rollback_check.json").write_text(json.dumps(out, indent=1))
+    for parallel in PARALLEL:
+        runs = out[f"np{parallel}"]
+        print(f"-np {parallel}, random draft, --spec-draft-n-max {out['n_max']}: {sum(map(bool, runs))} of "
+              f"{len(runs)} runs with a text that is not the plain target's (requests per run: {runs})")
+    return int(any(out["np8"]) and not any(out["np1"]))
 
 
 if __name__ == "__main__":
