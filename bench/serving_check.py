@@ -22,6 +22,12 @@ The pair (`build_pair`, deterministic: fixed seeds throughout):
 - a DFlash 1 draft trained on it by `dflash-llama train` (its greedy answers to standard-library
   prompts), and a DFlash 2 draft trained from it (`--variant dflash2 --init`), both converted by
   `dflash-llama convert`.
+
+    python -m dflash_llama.bench.serving_check --rollback-check [RUNS] [--out DIR]
+
+checks finding U11 instead (docs/upstream_status.md): the tiny qwen35 fixture target with a random
+draft, whose every verify rolls the target back, at -np 1 and -np 8, RUNS times each; exit status 1
+when some text at -np 8 is not the plain target's and none at -np 1 is.
 """
 
 from __future__ import annotations
@@ -104,25 +110,28 @@ def cyclic_target(out_dir: str | Path) -> Path:
     return gguf
 
 
-def _dflash_llama(*args: str, threads: int) -> None:
-    cmd = [sys.executable, "-m", "dflash_llama.cli", *args]
-    if "train" in args[:1]:
-        cmd += ["-t", str(threads)]
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _dflash_llama(*args: str) -> None:
+    """Run a `dflash-llama` subcommand; RuntimeError with its last words if it fails."""
+    r = subprocess.run([sys.executable, "-m", "dflash_llama.cli", *args], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"dflash-llama {args[0]} exited with {r.returncode}:\n{r.stderr.strip()[-2000:]}")
 
 
 def trained_draft(target: Path, out_dir: Path, variant: str, init: Path | None = None, threads: int = 1) -> Path:
-    """A draft trained on `target` into out_dir/<variant> and its GGUF (out_dir/<variant>.gguf);
-    reused when there."""
+    """A draft trained on `target` into out_dir/<variant> (the dataset in out_dir/data, shared by
+    both variants) and its GGUF (out_dir/<variant>.gguf); reused when there. DFlash 2 starts from
+    the DFlash 1 checkpoint `init`."""
     hf, gguf = out_dir / variant, out_dir / f"{variant}.gguf"
-    if not gguf.exists():
-        extra = ("--variant", "dflash2", *DFLASH2_ARGS, "--init", str(init), "--epochs", DFLASH2_EPOCHS,
-                 "--data", str(out_dir / "data")) if variant == "dflash2" else ("--epochs", DFLASH1_EPOCHS,
-                                                                                "--data", str(out_dir / "data"))
-        _dflash_llama("train", "--target", str(target), "--out", str(hf), *TRAIN_ARGS, *extra, threads=threads)
-        _dflash_llama("convert", "-m", str(target), "-o", str(gguf), "--outtype", "f32", str(hf), threads=threads)
+    if gguf.exists():
+        return gguf
+    if variant == "dflash2":
+        how = ("--variant", "dflash2", *DFLASH2_ARGS, "--init", str(init), "--epochs", DFLASH2_EPOCHS)
+    else:
+        how = ("--epochs", DFLASH1_EPOCHS)
+    _dflash_llama("train", "--target", str(target), "--out", str(hf), "--data", str(out_dir / "data"), *TRAIN_ARGS,
+                  *how, "-t", str(threads))
+    _dflash_llama("convert", "-m", str(target), "-o", str(gguf), "--outtype", "f32", str(hf))
     return gguf
 
 

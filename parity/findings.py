@@ -394,5 +394,30 @@ def _main_patched(names: list[str]) -> int:
     return count
 
 
+def u11_hybrid_rollback_across_requests() -> bool:
+    """U11: llama-server with a DFlash draft on a hybrid (recurrent) target: with several requests in
+    flight, a verify rolled back through the recurrent memory's per-token snapshots sometimes leaves a
+    request's text other than the plain target's greedy text (never with one request, never without a
+    draft, never on a dense target). Runs the serving check's rollback check, which owns the server."""
+    import json
+    import subprocess
+
+    from . import registry
+
+    out = registry.cache_dir() / "finding-u11"
+    r = subprocess.run([sys.executable, "-m", "dflash_llama.bench.serving_check", "--out", str(out),
+                        "--rollback-check", "6", "--n-max", "7"], capture_output=True, text=True)
+    if r.returncode not in (0, 1):
+        raise RuntimeError(f"the serving check exited with {r.returncode}:\n{r.stderr.strip()[-1500:]}")
+    runs = json.loads((out / "rollback_check.json").read_text())
+    one, eight = (sum(map(bool, runs[f"np{n}"])) for n in (1, 8))
+    print(f"U11: tiny qwen35 target, random draft (every verify rolls back 7), 16 prompts, {runs['runs']} runs "
+          f"each: texts not the plain target's in {one} runs at -np 1, {eight} at -np 8")
+    return one == 0 and eight > 0
+
+
+FINDINGS["U11"] = u11_hybrid_rollback_across_requests
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -404,7 +404,9 @@ SHOW = {"U1": ("u1-dflash-default-target-layers.patch", show_u1), "U2": ("u2-dfl
         "U10": ("u10-dflash2-full-block.patch", show_u10)}
 
 # findings of findings.py with no patch yet, and why (docs/upstream_status.md)
-UNPATCHED: dict[str, str] = {}
+UNPATCHED: dict[str, str] = {
+    "U11": "the recurrent rollback across requests: where llama-server's rollback goes wrong is not located yet",
+}
 
 
 def on_its_predecessors(patches: list[Path]) -> list[Path]:

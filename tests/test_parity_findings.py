@@ -58,7 +58,7 @@ def test_main_counts_and_refuses_unknown(capsys):
     assert findings.main(["U4", "U5"]) == 2
     assert capsys.readouterr().out.count("REPRODUCED") == 2
     assert findings.main(["U99"]) == 255
-    assert "unknown finding(s) U99; known: U1, U2, U3, U4, U5, U7, U9, U10" in capsys.readouterr().err
+    assert "unknown finding(s) U99; known: U1, U2, U3, U4, U5, U7, U9, U10, U11" in capsys.readouterr().err
 
 
 def test_u5_patch_applies_to_the_pinned_tree():
