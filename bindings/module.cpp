@@ -204,7 +204,7 @@ void bind_generate_result(nb::module_ & m) {
 
 void engine_init(dflash::engine * self, const std::filesystem::path & target, const std::filesystem::path & draft, int32_t n_threads,
                  int32_t n_ctx, int32_t n_batch, int32_t n_gpu_layers, bool kv_f32, int32_t n_seq, bool compact_draft_head,
-                 bool verbose) {
+                 bool verbose, bool measure_threads) {
     dflash::engine_params p;
     p.target.path = target.string();
     p.target.n_threads = n_threads;
@@ -216,6 +216,7 @@ void engine_init(dflash::engine * self, const std::filesystem::path & target, co
     p.draft_path = draft.string();
     p.compact_draft_head = compact_draft_head;
     p.verbose = verbose;
+    p.measure_threads = measure_threads;
     nb::gil_scoped_release release;
     new (self) dflash::engine(p);
 }
@@ -257,7 +258,7 @@ void bind_engine(nb::module_ & m) {
     using prompts = std::vector<std::vector<int32_t>>;
     nb::class_<engine>(m, "Engine")
         .def("__init__", &engine_init, "target"_a, "draft"_a, "n_threads"_a, "n_ctx"_a, "n_batch"_a,
-             "n_gpu_layers"_a, "kv_f32"_a, "n_seq"_a, "compact_draft_head"_a, "verbose"_a)
+             "n_gpu_layers"_a, "kv_f32"_a, "n_seq"_a, "compact_draft_head"_a, "verbose"_a, "measure_threads"_a = false)
         .def_prop_ro("has_draft", &engine::has_draft)
         .def_prop_ro("threads", &engine::threads)
         .def_prop_ro("compact_draft_head", [](engine & e) { return e.has_draft() && e.draft().compact_head(); })

@@ -32,6 +32,7 @@ struct cli_args {
     bool has_prompt = false;
     bool no_draft   = false;
     bool json       = false;
+    cli_args() { engine.measure_threads = true; }  // until -t is given
 };
 
 void print_usage(const char * argv0) {
@@ -44,8 +45,8 @@ void print_usage(const char * argv0) {
         "  -p,  --prompt TEXT       prompt\n"
         "  -f,  --file FILE         read the prompt from a file\n"
         "  -n,  --n-predict N       tokens to generate (default: 128)\n"
-        "  -t,  --threads N         CPU threads (default: measured: the fastest of 1, 2 and all for a plain\n"
-        "                           decode, measured again when decoding slows down; -1: all, as llama.cpp)\n"
+        "  -t,  --threads N         CPU threads (0 = all; -1 = all, as llama.cpp; default: measured, the fastest\n"
+        "                           of 1, 2 and all for a plain decode, again when decoding slows down)\n"
         "  -c,  --ctx-size N        context size (default: 4096)\n"
         "  -b,  --batch-size N      prompt chunk size (default: 512)\n"
         "  -ngl, --n-gpu-layers N   target layers on the GPU (default: 0; -1: all; a GPU build only);\n"
@@ -147,7 +148,7 @@ cli_args parse_args(int argc, char ** argv) {
         else if (flag == "-p"   || flag == "--prompt")       { a.prompt = value(); a.has_prompt = true; }
         else if (flag == "-f"   || flag == "--file")         { a.prompt = read_prompt_file(value()); a.has_prompt = true; }
         else if (flag == "-n"   || flag == "--n-predict")    a.gen.max_new_tokens = int32();
-        else if (flag == "-t"   || flag == "--threads")      a.engine.target.n_threads = int32();
+        else if (flag == "-t"   || flag == "--threads")      { a.engine.target.n_threads = int32(); a.engine.measure_threads = false; }
         else if (flag == "-c"   || flag == "--ctx-size")     a.engine.target.n_ctx = int32();
         else if (flag == "-b"   || flag == "--batch-size")   a.engine.target.n_batch = int32();
         else if (flag == "-ngl" || flag == "--n-gpu-layers") a.engine.target.n_gpu_layers = int32();

@@ -17,7 +17,7 @@ engine::engine(const engine_params & params) {
     target_ = std::make_unique<target_runner>(params.target);
     if (params.draft_path.empty()) {
         threads_.n_threads = (int32_t) llama_n_threads(target_->context());
-        threads_due_ = params.target.n_threads == 0;
+        threads_due_ = params.measure_threads;
         return;
     }
     draft_model_ = std::make_unique<draft_model>();
@@ -34,7 +34,7 @@ engine::engine(const engine_params & params) {
     const int32_t n_threads = params.target.n_threads > 0 ? params.target.n_threads
                                                           : (int32_t) llama_n_threads(target_->context());
     threads_.n_threads = n_threads;
-    threads_due_ = params.target.n_threads == 0;
+    threads_due_ = params.measure_threads;
     draft_runner_ = std::make_unique<draft_runner>(*draft_model_, target_->model(), target_->n_ctx(), n_threads,
                                                    params.compact_draft_head, device);
 }

@@ -1,11 +1,12 @@
 // A target and (optionally) a DFlash draft loaded together and checked against each other: what the
 // CLI and the Python API drive. Without a draft it decodes autoregressively only.
 //
-// Threads: with n_threads 0 (-t not given) the engine measures a plain decode at 1, 2 and all
+// Threads: with measure_threads (-t not given) the engine measures a plain decode at 1, 2 and all
 // hardware threads before its first generation and keeps the fastest (ggml's threads wait for each
 // other: when another process holds a core, fewer threads decode faster). When a generation's plain
 // steps run kDrift times slower than measured, over kDriftSteps of them or more, it measures again
-// (and the adaptive loop's step costs with it) before the next generation. -1: all hardware threads.
+// (and the adaptive loop's step costs with it) before the next generation. Else target.n_threads
+// as given (0 or -1: all hardware threads, as llama.cpp).
 #pragma once
 
 #include "draft_graph.h"
@@ -24,6 +25,7 @@ struct engine_params {
     target_params target;
     std::string   draft_path;  // "" = no draft
     bool          compact_draft_head = true;  // draft proposals through a Q4_0 copy of the target's head
+    bool          measure_threads = false;    // choose target.n_threads by measurement (-t not given)
     bool          verbose = false;
 };
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 N_PREDICT = 128  # tokens to generate, as llama-dflash-cli
-THREADS = 0  # CPU threads; 0 = all, or for the runtime's own decoding the fastest count, measured
+THREADS = 0  # CPU threads; 0 = all (the runtime's own decoding: unset, the fastest count, measured)
 CTX_SIZE = 4096  # context size per sequence, as llama-dflash-cli
 SEED = 0
 TEMP = 0.0  # greedy
@@ -44,7 +44,7 @@ def add_generation_args(p: argparse.ArgumentParser, *, prompt: str | None = None
                         measured_threads: bool = False) -> None:
     """-n/--n-predict, -t/--threads and (ctx) -c/--ctx-size, with the shared defaults; -p/--prompt
     when `prompt` is its default (pass "" for no default). measured_threads: -t 0 is the runtime's
-    measured thread count (else all CPUs)."""
+    measured thread count when -t is not given (else 0: all CPUs)."""
     if prompt is not None:
         p.add_argument("-p", "--prompt", default=prompt or None,
                        help="prompt" + (" (default: a small coding task)" if prompt else ""))
@@ -57,10 +57,10 @@ def add_generation_args(p: argparse.ArgumentParser, *, prompt: str | None = None
 
 
 def add_threads_arg(p: argparse.ArgumentParser, *, measured: bool = False) -> None:
-    """-t/--threads (0: all CPUs; measured: the runtime measures the fastest count) and -ngl."""
-    p.add_argument("-t", "--threads", type=int, default=THREADS,
-                   help="CPU threads (default 0: measured, the fastest of 1, 2 and all for a plain decode, and "
-                        "again when decoding slows down; -1: all)" if measured else "CPU threads (default 0: all)")
+    """-t/--threads (0: all CPUs; measured: unset by default, the runtime measures the fastest count) and -ngl."""
+    p.add_argument("-t", "--threads", type=int, default=None if measured else THREADS,
+                   help="CPU threads (0 or -1: all; default: measured, the fastest of 1, 2 and all for a plain "
+                        "decode, and again when decoding slows down)" if measured else "CPU threads (default 0: all)")
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int, default=0, metavar="N",
                    help="target layers on the GPU (default 0; -1: all; a GPU build only); the draft runs "
                         "on the GPU when the target's output layer does")

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 from .cli_args import (
     CTX_SIZE,
-    THREADS,
     add_block_size_arg,
     add_draft_max_arg,
     add_generation_args,
@@ -49,7 +48,7 @@ class GenerateRequest:
     ignore_eos: bool = False
     draft_max: int | str = "auto"  # runtime: verify at most this many drafted tokens, or "auto"
     ngram: bool | None = None  # runtime: the adaptive loop's n-gram source (None: on with "auto")
-    threads: int = THREADS  # runtime: CPU threads, 0 = all
+    threads: int | None = None  # runtime: CPU threads (0: all); None: measured
     n_ctx: int = CTX_SIZE  # runtime: context size
     n_gpu_layers: int = 0  # runtime: target layers on the GPU (-1: all)
     kv_f32: bool = False  # runtime: f32 KV cache, no flash attention (for comparisons with the reference)

@@ -112,7 +112,7 @@ class Policy:
 
 @dataclass
 class Threads:
-    """The CPU threads that decoded: as given (n_threads > 0, or -1: all), or measured (n_threads 0): a plain
+    """The CPU threads that decoded: as given (n_threads; 0 or -1: all), or measured (n_threads None): a plain
     decode at each count in `counts`, the fastest kept, measured again after a generation whose plain
     steps ran 1.5x slower than that."""
 
@@ -240,10 +240,10 @@ class Stream:
 
 class Runtime:
     def __init__(self, target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
-                 n_threads: int = 0, n_ctx: int = 4096, n_batch: int = 512, n_gpu_layers: int = 0,
+                 n_threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512, n_gpu_layers: int = 0,
                  kv_f32: bool = False, n_seq: int = 1, compact_draft_head: bool = True, verbose: bool = False):
-        """n_threads: CPU threads; 0 (default): measured before the first generation, the fastest of 1, 2
-        and all for a plain decode, and again when decoding slows down; -1: all.
+        """n_threads: CPU threads (0 or -1: all); None (default): measured before the first generation, the
+        fastest of 1, 2 and all for a plain decode, and again when decoding slows down.
         kv_f32: keep the target's KV cache in f32 (llama.cpp's default is f16), for parity runs.
         n_seq: sequences `autoregressive_batch` decodes side by side (n_ctx is per sequence).
         compact_draft_head: the draft proposes through a Q4_0 copy of the target's output head (made at
@@ -256,9 +256,10 @@ class Runtime:
                                "./setup.sh (or pip install --no-build-isolation -e .)") from e
 
         self._engine = _core.Engine(os.fspath(target), os.fspath(draft) if draft else "",
-                                    c_int("n_threads", n_threads), c_int("n_ctx", n_ctx), c_int("n_batch", n_batch),
-                                    c_int("n_gpu_layers", n_gpu_layers), bool(kv_f32), c_int("n_seq", n_seq),
-                                    bool(compact_draft_head), bool(verbose))
+                                    c_int("n_threads", 0 if n_threads is None else n_threads), c_int("n_ctx", n_ctx),
+                                    c_int("n_batch", n_batch), c_int("n_gpu_layers", n_gpu_layers), bool(kv_f32),
+                                    c_int("n_seq", n_seq), bool(compact_draft_head), bool(verbose),
+                                    measure_threads=n_threads is None)
         self._core = _core
         self._compute = _ComputeThread()  # every graph runs there, one sequence at a time
 
