@@ -68,6 +68,9 @@ fi
 # published reference for parity tests only (its pins are stricter than ours)
 "${pip[@]}" install --no-deps --require-hashes -r requirements/default-target.txt
 "${pip[@]}" install --no-deps "dflash==0.1.0"
+# speculators' DSpark heads for tests/test_reference_dspark.py: the package itself does not import
+# beside our pins (its trainer's deps, transformers <= 5.19); the test loads the heads' file by path
+"${pip[@]}" install --no-deps "speculators==0.9.0"
 
 .venv/bin/python -c "import dflash_llama as d; print('dflash-llama', d.__version__, '| llama.cpp', d.llama_cpp_commit())"
 

@@ -6,8 +6,10 @@ f16 or f32, in z-lab's published format or speculators' (read through
 (`TensorSpec.hf_aliases`: DFlash 2 codebooks with or without `.weight`). GGUF: the layout the
 pinned llama.cpp reads (arch `dflash`), ours or llama.cpp's, any type gguf-py can dequantise.
 Both give the same `DFlashDraft`, in float32 by default. What the files mean, and what is
-refused, is `dflash_llama.schema`; like the runtime, the draft always uses the target's token
-embeddings and head (a draft with its own is refused).
+refused, is `dflash_llama.schema`. A draft uses the target's token embeddings and head, except a
+DSpark-family checkpoint's own copies (DeepSpec's) and a GGUF's own `output.weight`, as llama.cpp
+reads them; a GGUF's own `token_embd.weight` is refused. The reference runs DSpark drafts, which the
+runtime refuses for now (`schema.refusals(runtime=False)`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def load_draft(path: str | os.PathLike, embed_tokens: torch.Tensor | None = None
     if path.is_dir():
         cfg, tensors = read_hf_config(path), _canonical_names(path, _read_safetensors(path))
         d2t = tensors.pop(S.D2T, None)  # a reduced vocabulary: offsets, target id = row + d2t[row]
+        own = _own_copies(cfg, tensors)
         _check_shapes(path, cfg, tensors)
         if not cfg.rope_neox:  # interleaved-pair RoPE -> NeoX halves, per head, like llama.cpp's converter
             tensors = {n: interleaved_to_halves(t, cfg.head_dim) if S.is_rope_permuted(S.gguf_tensor_name(n)[0])
@@ -44,6 +47,7 @@ def load_draft(path: str | os.PathLike, embed_tokens: torch.Tensor | None = None
         vocabulary = None if d2t is None else (torch.arange(len(d2t)) + d2t.long(), None)
     else:
         cfg, tensors, vocabulary = read_draft_gguf(path)
+        own = {"lm_head": tensors.pop("lm_head.weight")} if "lm_head.weight" in tensors else {}
 
     draft = DFlashDraft(cfg)
     with torch.no_grad():
@@ -52,6 +56,7 @@ def load_draft(path: str | os.PathLike, embed_tokens: torch.Tensor | None = None
     draft = draft.to(dtype).eval().requires_grad_(False)  # inference; a trainer turns it back on
     if vocabulary is not None:
         draft.set_vocabulary(*vocabulary)
+    draft.set_own(**{k: v.to(torch.float32) for k, v in own.items()})
     if embed_tokens is not None and lm_head is not None:
         draft.attach_target(embed_tokens, lm_head)
     return draft
@@ -76,8 +81,16 @@ def read_hf_config(path: Path) -> DraftConfig:
             raise ValueError(f"{f}: neither target_layer_ids nor num_target_layers is set")
         cfg = dataclasses.replace(
             cfg, target_layer_ids=S.default_target_layer_ids(cfg.n_layer_target, cfg.n_layer))
-    S.refuse(dict(cfg.to_gguf_kv()), (), str(f))  # what the runtime refuses in the converted GGUF
+    S.refuse(dict(cfg.to_gguf_kv()), (), str(f), runtime=False)  # what the converted GGUF could not run
     return cfg
+
+
+def _own_copies(cfg: DraftConfig, tensors: dict) -> dict[str, torch.Tensor]:
+    """A DSpark-family checkpoint's own embeddings and head (DeepSpec saves copies of the target's),
+    taken out of `tensors`: the draft uses them, as the published model does."""
+    if cfg.variant is not S.DSPARK and not cfg.sample_from_anchor:
+        return {}
+    return {name: tensors.pop(f"{name}.weight") for name in ("embed_tokens", "lm_head") if f"{name}.weight" in tensors}
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -143,8 +156,8 @@ def read_draft_gguf(path: Path) -> tuple[DraftConfig, dict, tuple[torch.Tensor, 
     info = gguf_info(path)  # the native header parser: clear errors for foreign/truncated files
     if info.architecture != "dflash":
         raise ValueError(f"{path}: architecture is {info.architecture!r}, not a DFlash draft ('dflash')")
-    S.refuse(info.metadata, [t.name for t in info.tensors], str(path))
-    cfg = S.DraftHParams.from_gguf(info.metadata, source=str(path))
+    shapes = {t.name: tuple(t.shape) for t in info.tensors}
+    cfg = S.DraftHParams.from_gguf(info.metadata, source=str(path), tensors=shapes, runtime=False)
     if cfg.n_vocab is None:
         raise ValueError(f"{path}: no tokenizer.ggml.tokens (the vocabulary size is unknown)")
     # every name is in the layout table (refuse() saw to it)
@@ -152,8 +165,19 @@ def read_draft_gguf(path: Path) -> tuple[DraftConfig, dict, tuple[torch.Tensor, 
     vocabulary = None
     if any(t.name == S.D2T for t in info.tensors):
         vocabulary = read_tensor(info, S.D2T), tensors.pop("lm_head.weight")
-    _check_shapes(path, cfg, tensors)
+    _restore_unit_dims(cfg, tensors)
+    _check_shapes(path, cfg, {k: v for k, v in tensors.items() if k != "lm_head.weight"})
     return cfg, tensors, vocabulary
+
+
+def _restore_unit_dims(cfg: DraftConfig, tensors: dict) -> None:
+    """Tensors read back without their size-1 dimensions (conf_proj.weight [1, H + R]) in the
+    table's shape."""
+    for spec in cfg.tensor_specs():
+        shape = tuple(reversed(S.expected_shape(spec, cfg.dims())))
+        t = tensors.get(spec.hf)
+        if t is not None and tuple(t.shape) != shape and [d for d in shape if d != 1] == list(t.shape):
+            tensors[spec.hf] = t.reshape(shape)
 
 
 def load_draft_for_target(path: str | os.PathLike, target,

@@ -57,6 +57,16 @@ selector's):
                                       predecessor is the anchor: its row 0, repeated in every row
     selector_path       [n]           the walked tokens (the draft)
 
+A DSpark draft (`schema.DSPARK`) adds a Markov head and, optionally, a confidence head, read by
+`draft_chain`; its drafted slots are the whole block when it is anchor-first
+(`DraftHParams.sample_from_anchor`: B inputs give B drafts, slot k predicting the token after
+anchor + k), else slots 1..B-1 as DFlash's. With n = drafted slots:
+
+    markov_prev         [n]           the token before each slot: the anchor, then the chain's drafts
+    markov_bias         [n, V]        markov_w2(markov_w1[markov_prev]): the bias on each slot's logits
+    biased_logits       [n, V]        the slot's logits (as DFlash's) + markov_bias: what it drafts from
+    confidence          [n]           sigmoid(conf_proj . [result_norm ; markov_w1[markov_prev]] + b)
+
 `fc_out` is named in llama.cpp's encoder graph only; its decoder graph names the normed tensor
 `inp_g_embeddings`. A context batch and a block are separate llama.cpp graphs; here they are one
 call. The untraced path pays one `is not None` test per name.
@@ -70,7 +80,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dflash_llama.schema import CONV, SELECTOR, DraftHParams, default_target_layer_ids, rope_halves_order  # noqa: F401
+from dflash_llama.schema import (  # noqa: F401
+    CONFIDENCE,
+    CONV,
+    MARKOV,
+    SELECTOR,
+    DraftHParams,
+    default_target_layer_ids,
+    rope_halves_order,
+)
 
 DraftConfig = DraftHParams  # the model's config is the one draft schema
 
@@ -351,6 +369,50 @@ class CandidateSelector(nn.Module):
         return Walk(tokens, candidates, q, probs)
 
 
+@dataclass
+class Chain:
+    """A DSpark-family draft's proposal for its drafted slots: the tokens, drawn left to right from
+    the Markov-biased logits, and what each was drawn from."""
+
+    tokens: torch.Tensor  # [n] the draft
+    prev: torch.Tensor  # [n] the token before each slot (the anchor, then the draft)
+    logits: torch.Tensor  # [n, V] the biased logits (the unbiased ones without a Markov head)
+    confidence: torch.Tensor | None = None  # [n] in (0, 1), with a confidence head
+    probs: torch.Tensor | None = None  # [n, V] sampled: the distribution each token was drawn from
+
+
+class MarkovHead(nn.Module):
+    """DSpark's vanilla Markov head: a rank-R bias on a slot's logits from the token before it,
+    markov_w2(markov_w1[prev]) (W1 rows: target tokens; W2 rows: draft tokens)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(cfg.n_vocab, cfg.markov_rank)
+        self.markov_w2 = nn.Linear(cfg.markov_rank, cfg.n_vocab, bias=False)
+
+    def forward(self, prev: torch.Tensor) -> torch.Tensor:
+        """prev: [...] token ids -> the bias [..., V]."""
+        return self.markov_w2(self.markov_w1(prev))
+
+
+class ConfidenceHead(nn.Module):
+    """DSpark's confidence head: each slot's chance that the target accepts its token,
+    sigmoid(proj . [post-norm hidden ; markov_w1[prev]] + bias)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.proj = nn.Linear(cfg.n_embd + cfg.markov_rank, 1)
+
+    def forward(self, hidden: torch.Tensor, prev_row: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H], prev_row [..., R] -> [...]."""
+        return torch.sigmoid(self.proj(torch.cat([hidden, prev_row.to(hidden.dtype)], dim=-1)).squeeze(-1))
+
+
+def greedy_pick(logits: torch.Tensor) -> tuple[int, None]:
+    """A chain's default pick: the argmax (ties: the smaller id), no distribution."""
+    return int(logits.argmax()), None
+
+
 class DFlashDraft(nn.Module):
     """fc + hidden_norm over the target features, decoder layers over the block, final norm."""
 
@@ -362,6 +424,9 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg, il) for il in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
         self.candidate_selector = CandidateSelector(cfg) if cfg.variant.has(SELECTOR) else None
+        self.markov_head = MarkovHead(cfg) if MARKOV in cfg.heads else None
+        self.confidence_head = ConfidenceHead(cfg) if CONFIDENCE in cfg.heads else None
+        self._own = {"embed_tokens": False, "lm_head": False}  # the draft's own (a checkpoint's), kept
         self.embed_tokens: torch.Tensor | None = None  # the target's, [V, H]
         self.lm_head: torch.Tensor | None = None  # the target's, [V, H]; or the draft's own, [K, H]
         self.d2t: torch.Tensor | None = None  # a reduced vocabulary: the target id of each head row, [K]
@@ -384,6 +449,8 @@ class DFlashDraft(nn.Module):
         if d2t.numel() and (int(d2t.min()) < 0 or int(d2t.max()) >= cfg.n_vocab
                             or d2t.unique().numel() != d2t.numel()):
             raise ValueError(f"d2t must hold distinct token ids below the vocabulary size {cfg.n_vocab}")
+        if self.markov_head is not None:
+            raise ValueError("a reduced vocabulary for a DSpark draft is not supported yet")
         if cfg.selector_top_k > d2t.numel():
             raise ValueError(f"selector_top_k {cfg.selector_top_k} is larger than the draft vocabulary "
                              f"({d2t.numel()} tokens)")
@@ -393,19 +460,37 @@ class DFlashDraft(nn.Module):
         self.d2t = d2t
         self.lm_head = None if head is None else head.to(self.fc.weight.dtype)
 
+    def set_own(self, embed_tokens: torch.Tensor | None = None, lm_head: torch.Tensor | None = None) -> None:
+        """The draft's own token embeddings / output head over the whole vocabulary ([V, H]), as a
+        DeepSpec checkpoint or a GGUF's `output.weight` holds them: `attach_target` keeps them."""
+        if self.d2t is not None and lm_head is not None:
+            raise ValueError("a draft with a reduced vocabulary has its head over its own tokens already")
+        for name, w in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
+            if w is not None:
+                self._check_vocabulary_matrix(f"own {name}", w)
+                setattr(self, name, w.to(self.fc.weight.dtype))
+                self._own[name] = True
+
+    def _check_vocabulary_matrix(self, name: str, w: torch.Tensor, whose: str = "the draft's") -> None:
+        """w: [vocab, hidden] as this draft's config says."""
+        cfg = self.config
+        if w.dim() != 2 or w.shape[1] != cfg.n_embd:
+            raise ValueError(f"draft hidden size {cfg.n_embd} does not match {whose} "
+                             f"{name} of shape {tuple(w.shape)}")
+        if w.shape[0] != cfg.n_vocab:
+            raise ValueError(f"draft vocab size {cfg.n_vocab} does not match {whose} "
+                             f"{name} with {w.shape[0]} rows")
+
     def attach_target(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
         """Use the target's token embeddings and output head ([vocab, hidden] each); a draft with a
-        reduced vocabulary keeps its own head."""
-        cfg = self.config
+        reduced vocabulary keeps its own head, one with its own embeddings or head (`set_own`) those."""
         for name, w in (("token embeddings", embed_tokens), ("output head", lm_head)):
-            if w.dim() != 2 or w.shape[1] != cfg.n_embd:
-                raise ValueError(f"draft hidden size {cfg.n_embd} does not match the target's "
-                                 f"{name} of shape {tuple(w.shape)}")
-            if w.shape[0] != cfg.n_vocab:
-                raise ValueError(f"draft vocab size {cfg.n_vocab} does not match the target's "
-                                 f"{name} with {w.shape[0]} rows")
+            self._check_vocabulary_matrix(name, w, "the target's")
         dtype = self.fc.weight.dtype
-        self.embed_tokens = embed_tokens.to(dtype)
+        if not self._own["embed_tokens"]:
+            self.embed_tokens = embed_tokens.to(dtype)
+        if self._own["lm_head"]:
+            return
         if self.d2t is None:
             self.lm_head = lm_head.to(dtype)
         elif self._head_from_target:
@@ -438,6 +523,42 @@ class DFlashDraft(nn.Module):
         y = self.block_states(ctx_feat, block_ids, start, cache, trace)
         return self.candidate_selector.walk(y[1:], self.block_logits(y, trace), int(block_ids[0]),
                                             temperature, generator, trace)
+
+    def draft_chain(self, ctx_feat: torch.Tensor, block_ids: torch.Tensor | list[int], start: int,
+                    cache: DraftCache | None = None, *, pick=greedy_pick, trace: dict | None = None) -> Chain:
+        """A DSpark-family draft's tokens after one forward (arguments as `forward`): its drafted
+        slots (the whole block anchor-first, else 1..B-1) left to right, slot k from its logits plus
+        the Markov bias of the token before it (the anchor for the first), which is the token slot
+        k - 1 drafted. pick(logits [V]) -> (token, distribution [V] or None): greedy by default; the
+        loop's sampler draws from the biased logits."""
+        block_ids = torch.as_tensor(block_ids, dtype=torch.long)
+        y = self.block_states(ctx_feat, block_ids, start, cache, trace)
+        logits = self.block_logits(y, trace, first=0 if self.config.sample_from_anchor else 1)
+        hidden = y[-logits.shape[0]:]
+        prev, tokens, rows, probs, biases = int(block_ids[0]), [], [], [], []
+        for k in range(logits.shape[0]):
+            rows.append(prev)
+            row = logits[k]
+            if self.markov_head is not None:
+                biases.append(self.markov_head(torch.tensor(prev)))
+                row = row + biases[-1]
+            token, p = pick(row)
+            tokens.append(token)
+            probs.append(p)
+            prev = token
+        chain_prev = torch.tensor(rows, dtype=torch.long)
+        bias = torch.stack(biases) if biases else None
+        chain = Chain(torch.tensor(tokens, dtype=torch.long), chain_prev, logits if bias is None else logits + bias,
+                      probs=None if probs[0] is None else torch.stack(probs))
+        if self.confidence_head is not None:
+            chain.confidence = self.confidence_head(hidden, self.markov_head.markov_w1(chain_prev))
+        if trace is not None:
+            trace.update(markov_prev=chain_prev, biased_logits=chain.logits)
+            if bias is not None:
+                trace["markov_bias"] = bias
+            if chain.confidence is not None:
+                trace["confidence"] = chain.confidence
+        return chain
 
     def block_states(self, ctx_feat: torch.Tensor, block_ids: torch.Tensor | list[int], start: int,
                      cache: DraftCache | None = None, trace: dict | None = None) -> torch.Tensor:
@@ -487,9 +608,9 @@ class DFlashDraft(nn.Module):
             trace["result_norm"] = y
         return y
 
-    def block_logits(self, y: torch.Tensor, trace: dict | None = None) -> torch.Tensor:
-        """Logits [B-1, V] of block positions 1..B-1 from `result_norm` y [B, H]."""
-        logits = F.linear(y[1:], self.lm_head)
+    def block_logits(self, y: torch.Tensor, trace: dict | None = None, first: int = 1) -> torch.Tensor:
+        """Logits [B-first, V] of block positions first..B-1 (DFlash's: 1..B-1) from `result_norm` y [B, H]."""
+        logits = F.linear(y[first:], self.lm_head)
         if trace is not None:  # the whole block, computed apart so tracing never changes logits
             trace["result_output"] = self.to_vocabulary(F.linear(y, self.lm_head))
         return self.to_vocabulary(self.finish_logits(logits))

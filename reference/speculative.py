@@ -5,7 +5,11 @@ the target, accept the longest agreeing prefix plus one target token, roll the t
 Greedy is exact (same tokens as the target alone); sampling uses rejection sampling, which keeps
 the target's distribution. A DFlash 2 draft proposes the walk of its candidate selector (greedy:
 the best path; sampled: a path drawn with the loop's generator, at the sampling temperature only),
-and its draws are accepted against their distributions over the candidates (zero elsewhere).
+and its draws are accepted against their distributions over the candidates (zero elsewhere). A
+DSpark-family draft proposes its Markov chain (`DFlashDraft.draft_chain`: every slot of an anchor-first
+block, so up to B tokens; each drawn from its Markov-biased logits with the loop's sampler), cut
+before the first slot whose confidence is below `confidence_threshold` (0: never), and its draws
+are accepted against those biased distributions.
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ def accept_sampled(drafted: torch.Tensor, draft_probs: torch.Tensor,
 
 @dataclass
 class Step:
-    drafted: list[int]  # the draft's tokens for block positions 1..B-1
+    drafted: list[int]  # the draft's tokens (DFlash: for block positions 1..B-1; anchor-first: up to B)
     accepted: int  # how many of them the target accepted
     produced: int  # tokens this step added to the output (accepted + 1, less at a limit)
 
@@ -129,13 +133,14 @@ def _check_request(prompt_ids, max_new_tokens: int) -> list[int]:
 @torch.inference_mode()
 def generate_speculative(target, draft, prompt_ids, max_new_tokens: int, *,
                          block_size: int | None = None, sampling: Sampling = Sampling(),
-                         stop_token_ids=()) -> GenerationResult:
+                         stop_token_ids=(), confidence_threshold: float = 0.0) -> GenerationResult:
     """DFlash speculative decoding of up to max_new_tokens after prompt_ids.
 
     target: `target.Target`; draft: `model.DFlashDraft` (or anything with its forward,
     new_cache, block_size, mask_token_id and target_layer_ids; and propose when its
-    candidate_selector is not None). Stops after a stop token (kept in the output) or at
-    max_new_tokens.
+    candidate_selector is not None; and draft_chain and config when it is of the DSpark family).
+    Stops after a stop token (kept in the output) or at max_new_tokens. confidence_threshold: a
+    DSpark draft's drafts stop before the first slot whose confidence is below it.
     """
     prompt_ids = _check_request(prompt_ids, max_new_tokens)
     block_size = draft.block_size if block_size is None else block_size
@@ -145,12 +150,23 @@ def generate_speculative(target, draft, prompt_ids, max_new_tokens: int, *,
     gen = sampling.generator()
     layers = draft.target_layer_ids
     walks = getattr(draft, "candidate_selector", None) is not None  # DFlash 2
+    config = getattr(draft, "config", None)
+    chains = config is not None and (config.markov_rank > 0 or config.sample_from_anchor)  # the DSpark family
+    anchor_first = chains and config.sample_from_anchor
+    if not 0 <= confidence_threshold <= 1:
+        raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
+    if confidence_threshold > 0 and getattr(draft, "confidence_head", None) is None:
+        raise ValueError("confidence_threshold needs a draft with a confidence head")
 
     def pick(logits):  # [n, V] -> [n] ids, and their probabilities when sampling
         if sampling.greedy:
             return logits.argmax(-1), None
         probs = sampling_probs(logits, sampling)
         return sample(probs, gen), probs
+
+    def pick_one(logits):  # a chain's slot: [V] -> id, and its distribution when sampling
+        token, probs = pick(logits[None])
+        return int(token[0]), None if probs is None else probs[0]
 
     # prefill: the target reads the prompt and gives the first token and the first context
     target_cache, draft_cache = target.new_cache(), draft.new_cache()
@@ -163,13 +179,21 @@ def generate_speculative(target, draft, prompt_ids, max_new_tokens: int, *,
         return result
 
     while len(tokens) < max_new_tokens:
-        verify_size = min(block_size, max_new_tokens - len(tokens) + 1)
+        # anchor-first: the draft's block is [anchor, MASK...] and all of it drafts, one more token
+        remaining = max_new_tokens - len(tokens)
+        verify_size = min(block_size, remaining) + 1 if anchor_first else min(block_size, remaining + 1)
         block = torch.full((verify_size,), draft.mask_token_id, dtype=torch.long)
         block[0] = tokens[-1]
 
         # draft: one forward proposes block positions 1..verify_size-1
         draft_probs = None
-        if verify_size > 1 and walks:
+        if chains and verify_size > 1:
+            chain = draft.draft_chain(ctx_feat, block[:-1] if anchor_first else block, start, draft_cache,
+                                      pick=pick_one)
+            kept = _confident_prefix(chain.confidence, confidence_threshold)
+            block = torch.cat([block[:1], chain.tokens[:kept]])
+            draft_probs = None if chain.probs is None else chain.probs[:kept]
+        elif verify_size > 1 and walks:
             walk = draft.propose(ctx_feat, block, start, draft_cache,
                                  temperature=sampling.temperature, generator=gen)
             block[1:], draft_probs = walk.tokens, walk.probs
@@ -186,7 +210,7 @@ def generate_speculative(target, draft, prompt_ids, max_new_tokens: int, *,
             agree = (block[1:] == posterior[:-1]).int().cumprod(0)
             accepted = int(agree.sum())
             bonus = int(posterior[accepted])
-        elif verify_size > 1:
+        elif len(block) > 1:
             accepted, bonus = accept_sampled(block[1:], draft_probs,
                                              sampling_probs(out.logits, sampling), gen)
         else:
@@ -207,6 +231,15 @@ def generate_speculative(target, draft, prompt_ids, max_new_tokens: int, *,
         if result.stop_reason == "stop_token":
             break
     return result
+
+
+def _confident_prefix(confidence: torch.Tensor | None, threshold: float) -> int | None:
+    """How many drafted tokens to verify: up to the first slot whose confidence is below threshold
+    (DeepSpec's per-slot rule, not a running product); None: all of them."""
+    if confidence is None or threshold <= 0:
+        return None
+    low = (confidence < threshold).nonzero()
+    return int(low[0]) if len(low) else None
 
 
 @torch.inference_mode()

@@ -183,8 +183,8 @@ ERRORS = {
                                r"predecessor_codebook\.weight' are one tensor \(selector_predecessor\.weight\): "
                                r"keep one$"),
     "speculators dspark": (_speculators(speculators_model_type="dspark"),
-                           r"spec/config\.json: speculators_model_type = 'dspark' is not supported \(only dflash, "
-                           r"dflash2\)$"),
+                           r"spec: tensor 'candidate_selector\.hidden_projection\.weight' belongs to a DFlash 2 draft, "
+                           r"but config\.json describes a DSpark draft \(architectures, dflash_config\)$"),
     "speculators sample_from_anchor": (_speculators(sample_from_anchor=True),
                                        r"config\.json: sample_from_anchor = true \(an anchor-first block, as DSpark "
                                        r"drafts\) is not supported for DFlash 2 drafts$"),

@@ -64,7 +64,7 @@ def test_foreign_architecture(draft, tiny_target_hf, tmp_path):
     edit_config(draft, architectures=["Qwen3ForCausalLM"])
     fails(draft, tiny_target_hf, tmp_path,
           r"unsupported architecture \['Qwen3ForCausalLM'\]: expected one of \['DFlash2DraftModel', "
-          r"'DFlashDraftModel'\]$")
+          r"'DFlashDraftModel', 'DSparkDraftModel', 'DSparkSpeculator', 'Qwen3DSparkModel'\]$")
 
 
 def test_hidden_size_mismatch(tiny_target_hf, tmp_path):

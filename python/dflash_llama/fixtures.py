@@ -3,7 +3,8 @@
 - a tiny target as a Hugging Face directory (random weights from a fixed seed) holding SmolLM2's
   tokenizer, qwen3 unless another family is asked (families.py), and its GGUF written by the
   pinned llama.cpp converter;
-- a tiny random DFlash draft for it in the published HF format (config.json + model.safetensors).
+- a tiny random DFlash draft for it in the published HF format (config.json + model.safetensors);
+  a DSpark draft in DeepSpec's format, and the same draft in SpecForge's and speculators' formats.
 
 Everything is built from a seed, so two builds give byte-identical files.
 """
@@ -84,6 +85,13 @@ class TinyDraftConfig:
     selector_rank: int = 16
     selector_top_k: int = 4
     identity_conv: bool = False
+    # DSpark (variant "dspark", DeepSpec's format): the Markov head's rank (0: DeepSpec's anchor-first
+    # "DFlash" draft, no heads), a confidence head, the block layout; zero_markov: a Markov head that
+    # adds nothing (W2 = 0)
+    markov_rank: int = 16
+    confidence_head: bool = True
+    sample_from_anchor: bool = True
+    zero_markov: bool = False
 
 
 @functools.lru_cache(maxsize=1)
@@ -158,30 +166,56 @@ def run_pinned_converter(args: list[str], trust_saved_tokenizer: tuple[str, ...]
 
 def tiny_draft_hf(out_dir: str | os.PathLike, target_hf_dir: str | os.PathLike,
                   cfg: TinyDraftConfig | None = None) -> Path:
-    """A random DFlash draft for a target HF dir, in the published format (config + safetensors)."""
+    """A random DFlash draft for a target HF dir, in the published format (config + safetensors); a
+    DSpark one (variant "dspark") in DeepSpec's."""
     import torch
-    from safetensors.torch import save_file
 
     cfg = cfg or TinyDraftConfig()
     tcfg = json.loads((Path(target_hf_dir) / "config.json").read_text())
-    hidden = tcfg["hidden_size"]
-    n_target_layers = tcfg["num_hidden_layers"]
-    n_taps = len(cfg.target_layer_ids) if cfg.target_layer_ids is not None else (
-        1 if cfg.layers == 1 else cfg.layers)
-
-    hparams = DraftHParams(
-        n_embd=hidden, n_layer=cfg.layers, n_head=cfg.heads, n_head_kv=cfg.kv_heads, head_dim=cfg.head_dim,
-        n_ff=cfg.ffn, mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids,
-        n_vocab=tcfg["vocab_size"], n_layer_target=n_target_layers, block_size=cfg.block_size,
-        n_ctx_train=4096, rope_freq_base=cfg.rope_theta, sliding_window=cfg.sliding_window,
-        swa_layers=[t == SLIDING_ATTENTION for t in cfg.layer_types or []],
-        **(dict(conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
-                selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
-           if cfg.variant == "dflash2" else {}))
+    if cfg.variant == "dspark":
+        return _dspark_draft_hf(out_dir, target_hf_dir, cfg)
+    hparams = _draft_hparams(cfg, tcfg, **(dict(
+        conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
+        selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k) if cfg.variant == "dflash2" else {}))
     if hparams.variant.name != cfg.variant:
         raise ValueError(f"unknown draft variant {cfg.variant!r}")
     config = hparams.to_hf_config(torch_dtype=cfg.dtype)
     config.update(cfg.extra_config)
+    tensors, g = _backbone_tensors(cfg, hparams)
+    if cfg.variant == "dflash2":
+        tensors.update(_dflash2_tensors(cfg, hparams, lambda *shape: torch.randn(*shape, generator=g) * cfg.init_std,
+                                        g))
+    return _save_draft(out_dir, config, tensors, cfg.dtype)
+
+
+def _draft_hparams(cfg: TinyDraftConfig, tcfg: dict, **variant) -> DraftHParams:
+    """The draft's hyper-parameters for a target's config.json (`cfg`'s sizes and settings)."""
+    return DraftHParams(
+        n_embd=tcfg["hidden_size"], n_layer=cfg.layers, n_head=cfg.heads, n_head_kv=cfg.kv_heads,
+        head_dim=cfg.head_dim, n_ff=cfg.ffn, mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids,
+        n_vocab=tcfg["vocab_size"], n_layer_target=tcfg["num_hidden_layers"], block_size=cfg.block_size,
+        n_ctx_train=4096, rope_freq_base=cfg.rope_theta, sliding_window=cfg.sliding_window,
+        swa_layers=[t == SLIDING_ATTENTION for t in cfg.layer_types or []], **variant)
+
+
+def _save_draft(out_dir, config: dict, tensors: dict, dtype: str) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in sorted(tensors.items())}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _backbone_tensors(cfg: TinyDraftConfig, hp: DraftHParams) -> tuple[dict, object]:
+    """The DFlash 1 backbone's random tensors (z-lab's names), and the generator, to go on with."""
+    import torch
+
+    hidden = hp.n_embd
+    n_taps = len(cfg.target_layer_ids) if cfg.target_layer_ids is not None else (1 if cfg.layers == 1 else cfg.layers)
 
     g = torch.Generator().manual_seed(cfg.seed)
 
@@ -212,15 +246,109 @@ def tiny_draft_hf(out_dir: str | os.PathLike, target_hf_dir: str | os.PathLike,
             p + "mlp.up_proj.weight": rand(cfg.ffn, hidden),
             p + "mlp.down_proj.weight": rand(hidden, cfg.ffn),
         })
-    if cfg.variant == "dflash2":
-        tensors.update(_dflash2_tensors(cfg, hparams, rand, g))
-    dtype = getattr(torch, cfg.dtype)
-    tensors = {k: v.to(dtype).contiguous() for k, v in sorted(tensors.items())}
+    return tensors, g
 
+
+def _target_embeddings_and_head(target_hf_dir) -> tuple:
+    """The target's token embeddings and output head ([V, H] each; a tied target's head is its
+    embeddings), as DeepSpec copies them into its drafts."""
+    from safetensors.torch import load_file
+
+    target = {k.removeprefix("model."): v for k, v in load_file(Path(target_hf_dir) / "model.safetensors").items()}
+    embed = target["embed_tokens.weight"]
+    return embed, target.get("lm_head.weight", embed)
+
+
+def _dspark_draft_hf(out_dir, target_hf_dir, cfg: TinyDraftConfig) -> Path:
+    """A random DSpark draft in DeepSpec's format (`Qwen3DSparkModel`): the target's config with the
+    DFlash settings at the top level, its own copies of the target's embeddings and head, the Markov
+    head (W1 rows large enough, W2 small enough that the bias reorders some slots' top tokens but not
+    all) and the confidence head. markov_rank 0: DeepSpec's anchor-first "DFlash" draft."""
+    import torch
+
+    tcfg = json.loads((Path(target_hf_dir) / "config.json").read_text())
+    hp = _draft_hparams(cfg, tcfg, markov_rank=cfg.markov_rank,
+                        has_confidence_head=cfg.confidence_head and cfg.markov_rank > 0,
+                        sample_from_anchor=cfg.sample_from_anchor)
+    zlab = hp.to_hf_config(torch_dtype=cfg.dtype)
+    dflash = zlab.pop("dflash_config")
+    if cfg.sample_from_anchor:  # DeepSpec's drafts are anchor-first and do not say so
+        del dflash["sample_from_anchor"]
+    config = {**zlab, **dflash, "architectures": ["Qwen3DSparkModel"], "tie_word_embeddings": False,
+              **cfg.extra_config}
+    tensors, g = _backbone_tensors(cfg, hp)
+    embed, head = _target_embeddings_and_head(target_hf_dir)
+    tensors.update({"embed_tokens.weight": embed.clone(), "lm_head.weight": head.clone()})
+    r, n_vocab = cfg.markov_rank, hp.n_vocab
+    if r:
+        w2 = torch.randn(n_vocab, r, generator=g) * 0.3
+        tensors.update({"markov_head.markov_w1.weight": torch.randn(n_vocab, r, generator=g),
+                        "markov_head.markov_w2.weight": torch.zeros_like(w2) if cfg.zero_markov else w2})
+    if hp.has_confidence_head:
+        tensors.update({"confidence_head.proj.weight": torch.randn(1, hp.n_embd + r, generator=g) * 0.3,
+                        "confidence_head.proj.bias": torch.randn(1, generator=g)})
+    return _save_draft(out_dir, config, tensors, cfg.dtype)
+
+
+def dspark_draft_as(out_dir: str | os.PathLike, deepspec_dir: str | os.PathLike, fmt: str) -> Path:
+    """A DeepSpec-format DSpark draft (`tiny_draft_hf` with variant "dspark") saved again in another
+    published format, the same weights under the same names, without the copies of the target's
+    embeddings and head (both formats borrow the target's):
+
+    - "specforge": `DSparkDraftModel`, the Qwen3 settings at the top level, the DFlash and DSpark
+      settings in `dflash_config` (projector_type "dspark"), no sample_from_anchor (it trains
+      anchor-first);
+    - "speculators": speculators 0.9.0's "dspark" (`DSparkSpeculator`): `transformer_layer_config` as
+      a diff against Qwen3Config's defaults, every field at the top level, `aux_hidden_state_layer_ids`
+      = target_layer_ids + 1, sample_from_anchor explicit."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3Config
+
+    src = Path(deepspec_dir)
+    config = json.loads((src / "config.json").read_text())
+    settings = {k: config.pop(k) for k in ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers",
+                                           "markov_rank", "markov_head_type", "enable_confidence_head",
+                                           "confidence_head_with_markov", "sample_from_anchor") if k in config}
+    config.pop("architectures")
+    dtype = config.pop("torch_dtype", "bfloat16")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {k: v for k, v in load_file(src / "model.safetensors").items()
+               if k not in ("embed_tokens.weight", "lm_head.weight")}
+    if fmt == "specforge":
+        if settings.pop("sample_from_anchor", True) is not True:
+            raise ValueError("SpecForge's DSpark config has no field for sample_from_anchor = false")
+        dflash = {k: settings[k] for k in ("target_layer_ids", "mask_token_id", "markov_rank", "markov_head_type",
+                                           "enable_confidence_head", "confidence_head_with_markov") if k in settings}
+        out_config = {**config, "architectures": ["DSparkDraftModel"], "block_size": settings["block_size"],
+                      "num_target_layers": settings.get("num_target_layers"), "torch_dtype": dtype,
+                      "dflash_config": {**dflash, "projector_type": "dspark", "confidence_head_alpha": 1.0,
+                                        "attention_mode": "bidirectional"}}
+    elif fmt == "speculators":
+        defaults = Qwen3Config().to_dict()
+        layer = {k: v for k, v in Qwen3Config(**config).to_dict().items()
+                 if k == "model_type" or k not in defaults or defaults[k] != v}
+        ids = settings.get("target_layer_ids")
+        out_config = {
+            "architectures": ["DSparkSpeculator"], "speculators_model_type": "dspark",
+            "speculators_version": "0.9.0", "transformer_layer_config": layer,
+            "draft_vocab_size": config["vocab_size"], "block_size": settings["block_size"],
+            "target_hidden_size": None, "aux_hidden_state_layer_ids": None if ids is None else [i + 1 for i in ids],
+            "mask_token_id": settings["mask_token_id"], "sliding_window_non_causal": False,
+            "sample_from_anchor": settings.get("sample_from_anchor", True),
+            **{k: settings[k] for k in ("markov_rank", "markov_head_type", "enable_confidence_head",
+                                        "confidence_head_with_markov")},
+            "speculators_config": {"algorithm": "dspark", "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy",
+                                                         "speculative_tokens": settings["block_size"]}],
+                                   "verifier": {"name_or_path": None, "architectures": []}}}
+    else:
+        raise ValueError(f"unknown checkpoint format {fmt!r} (specforge or speculators)")
+    (out / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copymode(src / "model.safetensors", out / "model.safetensors")
     return out
 
 

@@ -109,11 +109,15 @@ SELECTOR_RANK = _key(_A + "selector_rank", U32, False, "dflash_config.selector_r
 SELECTOR_TOP_K = _key(_A + "selector_top_k", U32, False, "dflash_config.selector_top_k",
                       "DFlash 2: candidates per slot (llama.cpp needs n_embd >= K (K + 1))")
 DFLASH2_KEYS = (CONV_KERNEL_SIZE, CONV_GROUP_SIZE, SELECTOR_RANK, SELECTOR_TOP_K)
-# DSpark (Markov / confidence heads, DeepSeek-V4 backbone): read by the pinned llama.cpp, refused here
-SAMPLE_FROM_ANCHOR = _key(_A + "sample_from_anchor", BOOL, False, "sample_from_anchor (DSpark)",
-                          "draft-dflash samples block position 0 too when true")
-HAS_CONFIDENCE_HEAD = _key(_A + "has_confidence_head", BOOL, False, "(DSpark)",
-                           "draft-dflash needs it for --spec-draft-p-min")
+# DSpark (Markov / confidence heads; the rank is markov_w1's ne0, as the pinned loader reads it):
+# the reference runs them, the runtime refuses them (REFUSALS, pending); our converter writes both
+# keys for every DSpark-family draft, so no reader has to guess
+SAMPLE_FROM_ANCHOR = _key(_A + "sample_from_anchor", BOOL, False,
+                          "sample_from_anchor (speculators), dflash_config.sample_from_anchor; DeepSpec: true",
+                          "the block layout: slot 0 (the anchor) is a draft slot too; missing: true")
+HAS_CONFIDENCE_HEAD = _key(_A + "has_confidence_head", BOOL, False,
+                           "enable_confidence_head (conf_proj.weight present)",
+                           "draft-dspark needs it true for --spec-draft-p-min; missing: true")
 HYPER_CONNECTION_COUNT = _key(_A + "hyper_connection.count", U32, False, "(DSpark on a DeepSeek-V4 backbone)",
                               "switches the draft to DeepSeek-V4 blocks with hyper-connections")
 KEYS: tuple[KeySpec, ...] = tuple(_keys)
@@ -123,6 +127,7 @@ KEY: dict[str, KeySpec] = {k.key: k for k in KEYS}
 # --- draft variants -------------------------------------------------------------------------------
 
 CONV, SELECTOR = "conv", "selector"  # the heads a variant adds to the DFlash 1 backbone
+MARKOV, CONFIDENCE = "markov", "confidence"  # DSpark's
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,11 @@ class Variant:
     architecture: str  # the HF class in a checkpoint's `architectures`
     heads: tuple[str, ...]  # beyond the backbone: CONV, SELECTOR
     keys: tuple[str, ...]  # GGUF keys it needs, all present and > 0 (and none of them in another variant)
-    anchor_first: bool = False  # block layout: slot 0 (the anchor) is a draft slot too (DSpark)
+    # the block layout when a draft does not say (`DraftHParams.sample_from_anchor` is the draft's own:
+    # DSpark exports with DFlash's layout exist, and DeepSpec's "DFlash" drafts are anchor-first)
+    anchor_first: bool = False
+    optional_heads: tuple[str, ...] = ()  # heads a draft of this variant may lack
+    marker: str = ""  # the tensor whose presence says this variant (the pinned loop's detection)
 
     def has(self, head: str) -> bool:
         return head in self.heads
@@ -144,12 +153,20 @@ class Variant:
 
 DFLASH1 = Variant("dflash", "DFlash 1", "DFlashDraftModel", (), ())
 DFLASH2 = Variant("dflash2", "DFlash 2", "DFlash2DraftModel", (CONV, SELECTOR), DFLASH2_KEYS)
-VARIANTS: dict[str, Variant] = {v.name: v for v in (DFLASH1, DFLASH2)}
+DSPARK = Variant("dspark", "DSpark", "DSparkDraftModel", (MARKOV, CONFIDENCE), (), anchor_first=True,
+                 optional_heads=(CONFIDENCE,), marker="markov_w1.weight")
+VARIANTS: dict[str, Variant] = {v.name: v for v in (DFLASH1, DFLASH2, DSPARK)}
+# every HF class of a DSpark-family checkpoint: DeepSpec's, SpecForge's, speculators'; with markov_rank
+# 0 (DeepSpec's "DFlash" drafts) it is an anchor-first DFlash 1 draft
+DSPARK_ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel", "DSparkSpeculator")
 
 
-def variant_of_gguf(kv: dict[str, Any]) -> Variant:
-    """The variant GGUF metadata says (a DFlash 2 key present: DFlash 2, as the pinned loop reads it)."""
-    return DFLASH2 if any(k in kv for k in DFLASH2_KEYS) else DFLASH1
+def variant_of_gguf(kv: dict[str, Any], tensor_names=()) -> Variant:
+    """The variant a GGUF says: a DFlash 2 key present: DFlash 2; a `markov_w1.weight`: DSpark (as the
+    pinned loop detects them)."""
+    if any(k in kv for k in DFLASH2_KEYS):
+        return DFLASH2
+    return DSPARK if DSPARK.marker in tensor_names else DFLASH1
 
 
 # --- tensors ------------------------------------------------------------------------------------
@@ -211,6 +228,14 @@ TENSORS: tuple[TensorSpec, ...] = (
                ("candidate_selector.successor_codebook.weight",)),
     TensorSpec("selector_hidden.weight", "candidate_selector.hidden_projection.weight",
                ("n_embd", "selector_rank"), True, "selector gate W_h: the slot's post-norm hidden state", SELECTOR),
+    # DSpark: the same names in DeepSpec's, SpecForge's and speculators' checkpoints
+    TensorSpec("markov_w1.weight", "markov_head.markov_w1.weight", ("markov_rank", "n_vocab"), True,
+               "Markov head W1: the row of the token before the slot (an embedding, target vocabulary)", MARKOV),
+    TensorSpec("markov_w2.weight", "markov_head.markov_w2.weight", ("markov_rank", "n_vocab_draft"), True,
+               "Markov head W2: that row to a bias on the slot's logits (draft vocabulary)", MARKOV),
+    TensorSpec("conf_proj.weight", "confidence_head.proj.weight", ("n_embd+markov_rank", "1"), True,
+               "confidence head: [post-norm hidden state ; W1 row] to the slot's acceptance logit", CONFIDENCE),
+    TensorSpec("conf_proj.bias", "confidence_head.proj.bias", ("1",), True, "confidence head bias", CONFIDENCE),
 )
 
 # A reduced draft vocabulary, as the pinned `dflash` graph reads it: `d2t` (i64 [n_draft_vocab],
@@ -237,6 +262,7 @@ class Refusal:
     same_as: str | None = None  # ... or equals this key (with llama.cpp's default)
     tensor: bool = False
     accept: Callable[[Any], bool] | None = None  # ... or passes this test
+    pending: bool = False  # the reference runs it; only the runtime refuses it (`refusals(runtime=False)`)
 
 
 def temporal_rope_sections(value: Any) -> bool:
@@ -246,6 +272,7 @@ def temporal_rope_sections(value: Any) -> bool:
     return isinstance(value, list) and 0 < len(value) <= 4 and all(v == 0 for v in value[1:])
 
 
+_PENDING = "DSpark drafts are not supported by this runtime yet (the PyTorch reference runs them)"
 _OWN = "the runtime uses the target's embeddings and head; a draft with its own is not supported by this runtime"
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(HIDDEN_ACTIVATION, "only silu FFNs are supported", allowed=("silu",)),
@@ -257,15 +284,16 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(VALUE_LENGTH, "value_length different from key_length is not supported", same_as=KEY_LENGTH),
     Refusal(ROPE_DIMENSION_COUNT, "partial RoPE (dimension_count != key_length) is not supported",
             same_as=KEY_LENGTH),
-    Refusal(SAMPLE_FROM_ANCHOR, "DSpark drafts (sampling from the anchor) are not supported", allowed=(False,)),
-    Refusal(HAS_CONFIDENCE_HEAD, "DSpark drafts (confidence head) are not supported"),
+    Refusal(SAMPLE_FROM_ANCHOR, _PENDING + " (an anchor-first block)", allowed=(False,), pending=True),
+    Refusal(HAS_CONFIDENCE_HEAD, _PENDING + " (confidence head)", pending=True),
     Refusal(HYPER_CONNECTION_COUNT, "DSpark drafts on a DeepSeek-V4 backbone are not supported"),
     # llama.cpp uses a draft's own embeddings and head; our graph uses the target's: refused, never
     # ignored. An own head with a d2t is a reduced vocabulary, which both read (see `refusals`).
     Refusal("token_embd.weight", _OWN, tensor=True),
-    Refusal("output.weight", _OWN + " (an own head needs a d2t: a reduced vocabulary)", tensor=True),
-    *(Refusal(t, "DSpark drafts (Markov / confidence heads) are not supported", tensor=True)
-      for t in ("markov_w1.weight", "markov_w2.weight", "markov_w2.scale", "conf_proj.weight", "conf_proj.bias")),
+    Refusal("output.weight", _OWN + " (an own head needs a d2t: a reduced vocabulary)", tensor=True, pending=True),
+    *(Refusal(t, _PENDING + " (Markov / confidence heads)", tensor=True, pending=True)
+      for t in ("markov_w1.weight", "markov_w2.weight", "conf_proj.weight", "conf_proj.bias")),
+    Refusal("markov_w2.scale", "a scaled Markov head (markov_w2.scale) is not supported", tensor=True),
     Refusal("fc.scale", "a scaled fc is not supported", tensor=True),
     Refusal("rope_freqs.weight", "RoPE frequency factors are not supported", tensor=True),
     *(Refusal(t, "extra per-layer tensors (Gemma-style norms, output scales, sinks) are not supported", tensor=True)
@@ -274,15 +302,18 @@ REFUSALS: tuple[Refusal, ...] = (
 )
 
 
-def refusals(kv: dict[str, Any], tensor_names=()) -> list[str]:
+def refusals(kv: dict[str, Any], tensor_names=(), runtime: bool = True) -> list[str]:
     """One line per thing in a draft GGUF that this project cannot run (empty: none).
 
     `kv`: GGUF metadata; `tensor_names`: every tensor in the file. A tensor that is neither in
     TENSORS nor in REFUSALS is refused too (llama.cpp may read it; we would silently ignore it).
+    runtime False: what the PyTorch reference cannot run (it runs the `pending` ones).
     """
-    out = _variant_refusals(kv)
-    variant = variant_of_gguf(kv)
-    for r in REFUSALS:
+    tensor_names = list(tensor_names)
+    out = _variant_refusals(kv, tensor_names)
+    variant = variant_of_gguf(kv, tensor_names)
+    active = [r for r in REFUSALS if runtime or not r.pending]
+    for r in active:
         if r.tensor or r.name not in kv:
             continue
         value = kv[r.name]
@@ -290,9 +321,8 @@ def refusals(kv: dict[str, Any], tensor_names=()) -> list[str]:
                 or (r.accept is not None and r.accept(value))):
             continue
         out.append(f"'{r.name}' = {value!r}: {r.why}")
-    tensor_names = list(tensor_names)
     reduced = D2T in tensor_names
-    refused = [(_pattern(r.name), r.why) for r in REFUSALS if r.tensor and not (reduced and r.name == "output.weight")]
+    refused = [(_pattern(r.name), r.why) for r in active if r.tensor and not (reduced and r.name == "output.weight")]
     if reduced and "output.weight" not in tensor_names:
         out.append(f"tensor '{D2T}': a reduced vocabulary needs the draft's own 'output.weight' over its rows")
     for name in tensor_names:
@@ -303,22 +333,21 @@ def refusals(kv: dict[str, Any], tensor_names=()) -> list[str]:
         if why is None and known is None:
             why = "not a tensor of a DFlash 1 or DFlash 2 draft"
         elif why is None and known[1].head and not variant.has(known[1].head):
-            why = (f"a {_head_title(known[1].head)} tensor in a {variant.title} draft "
-                   f"(no {' / '.join(DFLASH2_KEYS)})")
+            owner = next(v for v in VARIANTS.values() if v.has(known[1].head))
+            lacks = " / ".join(owner.keys) if owner.keys else owner.marker
+            why = f"a {owner.title} tensor in a {variant.title} draft (no {lacks})"
         if why is not None:
             out.append(f"tensor '{name}': {why}")
     return out
 
 
-def _head_title(head: str) -> str:
-    return next(v.title for v in VARIANTS.values() if v.has(head))
-
-
-def _variant_refusals(kv: dict[str, Any]) -> list[str]:
-    """A variant's keys: all of them or none, each a positive integer."""
-    variant = variant_of_gguf(kv)
+def _variant_refusals(kv: dict[str, Any], tensor_names=()) -> list[str]:
+    """A variant's keys: all of them or none, each a positive integer; one variant per draft."""
+    variant = variant_of_gguf(kv, tensor_names)
     out = [f"'{k}' missing: a {variant.title} draft needs {', '.join(variant.keys)}"
            for k in variant.keys if k not in kv]
+    if variant is DFLASH2 and DSPARK.marker in tensor_names:
+        out.append(f"tensor '{DSPARK.marker}': a DSpark head on a DFlash 2 draft is not supported")
     for k in variant.keys:
         v = kv.get(k)
         if k in kv and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 < v <= INT32_MAX):
@@ -334,9 +363,9 @@ def _head_dim(kv: dict[str, Any]) -> int | None:
     return n_embd // n_head if n_embd and n_head else None
 
 
-def refuse(kv: dict[str, Any], tensor_names=(), source: str = "draft") -> None:
+def refuse(kv: dict[str, Any], tensor_names=(), source: str = "draft", runtime: bool = True) -> None:
     """Raise ValueError naming `source` and the first thing `refusals` finds."""
-    found = refusals(kv, tensor_names)
+    found = refusals(kv, tensor_names, runtime)
     if found:
         raise ValueError(f"{source}: {found[0]}")
 
@@ -380,8 +409,10 @@ def layer_index(name: str) -> int | None:
 
 def expected_shape(spec: TensorSpec, dims: dict[str, int]) -> tuple[int, ...]:
     """Shape in ggml order from `dims` with n_embd, n_taps, n_head, n_head_kv, head_dim, n_ff, n_vocab
-    (and a DFlash 2 draft's conv_k, conv_groups, selector_rank); digits are literal sizes."""
-    return tuple(math.prod(int(f) if f.isdigit() else dims[f] for f in sym.split("*")) for sym in spec.shape)
+    (a DFlash 2 draft's conv_k, conv_groups, selector_rank; a DSpark draft's markov_rank,
+    n_vocab_draft); digits are literal sizes, `*` and `+` combine symbols."""
+    return tuple(sum(math.prod(int(f) if f.isdigit() else dims[f] for f in term.split("*"))
+                     for term in sym.split("+")) for sym in spec.shape)
 
 
 def stays_f32(gguf_name: str, n_dims: int) -> bool:
@@ -463,6 +494,12 @@ class DraftHParams:
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
+    # DSpark (markov_rank 0: none): the Markov head's rank, whether it has a confidence head
+    markov_rank: int = 0
+    has_confidence_head: bool = False
+    # the block layout: slot 0 (the anchor) is a draft slot too, B inputs give B drafts (DSpark's, and
+    # DeepSpec's "DFlash" drafts'); False: DFlash's, B inputs give B - 1 drafts
+    sample_from_anchor: bool = False
     # `is_causal: false` at the top level of config.json: the pinned converter writes the key early
     causal_at_top: bool = field(default=False, compare=False, repr=False)
 
@@ -483,15 +520,33 @@ class DraftHParams:
             raise ValueError(f"conv_group_size {self.conv_group_size} does not divide the hidden size {self.n_embd}")
         if self.selector_top_k and self.n_vocab is not None and self.selector_top_k > self.n_vocab:
             raise ValueError(f"selector_top_k {self.selector_top_k} is larger than the vocabulary ({self.n_vocab})")
+        if self.markov_rank < 0:
+            raise ValueError(f"markov_rank {self.markov_rank} must be >= 0")
+        if self.has_confidence_head and not self.markov_rank:
+            raise ValueError("a confidence head needs a Markov head (its input is [hidden ; markov_w1 row])")
+        if self.markov_rank and self.conv_kernel_size:
+            raise ValueError("a DSpark head on a DFlash 2 draft is not supported")
+        if self.sample_from_anchor and self.conv_kernel_size:
+            raise ValueError("an anchor-first block (sample_from_anchor) is not supported for DFlash 2 drafts")
 
     @property
     def variant(self) -> Variant:
-        return DFLASH2 if self.conv_kernel_size else DFLASH1
+        return DFLASH2 if self.conv_kernel_size else DSPARK if self.markov_rank else DFLASH1
+
+    @property
+    def heads(self) -> tuple[str, ...]:
+        """The heads this draft has: its variant's, less an optional one it lacks."""
+        lacks = () if self.has_confidence_head else (CONFIDENCE,)
+        return tuple(h for h in self.variant.heads if h not in lacks or h not in self.variant.optional_heads)
+
+    @property
+    def n_drafted(self) -> int:
+        """Tokens one full block proposes: B anchor-first, else B - 1."""
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
 
     def tensor_specs(self, required_only: bool = True) -> list[TensorSpec]:
-        """The tensors of this draft's variant (the backbone's and its heads')."""
-        return [t for t in TENSORS if (t.required or not required_only)
-                and (not t.head or self.variant.has(t.head))]
+        """The tensors of this draft (the backbone's and its heads')."""
+        return [t for t in TENSORS if (t.required or not required_only) and (not t.head or t.head in self.heads)]
 
     @property
     def n_taps(self) -> int:
@@ -505,12 +560,13 @@ class DraftHParams:
         return self.sliding_window if self.swa_layers[il] else None
 
     def dims(self, n_vocab: int | None = None) -> dict[str, int]:
-        """The symbols of `expected_shape`."""
+        """The symbols of `expected_shape` (n_vocab_draft: the whole vocabulary; a reduced one sets it)."""
         return {"n_embd": self.n_embd, "n_taps": self.n_taps, "n_head": self.n_head,
                 "n_head_kv": self.n_head_kv, "head_dim": self.head_dim, "n_ff": self.n_ff,
                 "n_vocab": n_vocab or self.n_vocab or 0, "conv_k": self.conv_kernel_size,
                 "conv_groups": self.n_embd // self.conv_group_size if self.conv_group_size else 0,
-                "selector_rank": self.selector_rank}
+                "selector_rank": self.selector_rank, "markov_rank": self.markov_rank,
+                "n_vocab_draft": n_vocab or self.n_vocab or 0}
 
     # --- config.json ------------------------------------------------------------------------------
 
@@ -535,12 +591,18 @@ class DraftHParams:
         if self.variant is DFLASH2:
             dflash.update(conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size,
                           selector_rank=self.selector_rank, selector_top_k=self.selector_top_k)
+        architecture = self.variant.architecture
+        if self.variant is DSPARK or self.sample_from_anchor:  # SpecForge's layout: the keys in dflash_config
+            architecture = DSPARK.architecture
+            dflash.update(markov_rank=self.markov_rank, markov_head_type="vanilla",
+                          enable_confidence_head=self.has_confidence_head, confidence_head_with_markov=True,
+                          sample_from_anchor=self.sample_from_anchor)
         dflash.update({k: v for k, v in (("input_embedding_scale", self.embedding_scale),
                                          ("output_multiplier", self.logit_scale),
                                          ("final_logit_softcapping", self.logit_softcap),
                                          ("attention_value_scale", self.value_scale)) if v is not None})
         config: dict[str, Any] = {
-            "architectures": [self.variant.architecture], "model_type": "qwen3",
+            "architectures": [architecture], "model_type": "qwen3",
             "hidden_size": self.n_embd, "intermediate_size": self.n_ff, "num_hidden_layers": self.n_layer,
             "num_attention_heads": self.n_head, "num_key_value_heads": self.n_head_kv,
             "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.rms_eps,
@@ -568,15 +630,18 @@ class DraftHParams:
     # --- GGUF -------------------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, kv: dict[str, Any], source: str = "draft.gguf") -> DraftHParams:
+    def from_gguf(cls, kv: dict[str, Any], source: str = "draft.gguf", tensors: dict[str, tuple] | None = None,
+                  runtime: bool = True) -> DraftHParams:
         """Read DFlash GGUF metadata (`dflash.target_layers` holds ids + 1), refusing what `refuse`
-        refuses; the defaults are llama.cpp's."""
+        refuses; the defaults are llama.cpp's. `tensors`: every tensor's ggml shape, for what only
+        the tensors say (a DSpark draft's Markov rank and confidence head)."""
         def need(key):
             if key not in kv:
                 raise ValueError(f"missing GGUF key {key!r}")
             return kv[key]
 
-        refuse(kv, (), source)
+        tensors = tensors or {}
+        refuse(kv, list(tensors), source, runtime)
         try:
             n_embd, n_layer, n_head = int(need(EMBEDDING_LENGTH)), int(need(BLOCK_COUNT)), int(need(HEAD_COUNT))
             n_ff, rms_eps = int(need(FEED_FORWARD_LENGTH)), float(need(RMS_EPS))
@@ -596,6 +661,7 @@ class DraftHParams:
             optional.update({name: int(kv[key]) for name, key in (
                 ("conv_kernel_size", CONV_KERNEL_SIZE), ("conv_group_size", CONV_GROUP_SIZE),
                 ("selector_rank", SELECTOR_RANK), ("selector_top_k", SELECTOR_TOP_K)) if key in kv})
+            optional.update(_gguf_dspark_fields(kv, tensors))
             return cls(
                 n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=int(kv.get(HEAD_COUNT_KV, n_head)),
                 head_dim=int(kv.get(KEY_LENGTH, n_embd // n_head)), n_ff=n_ff, mask_token_id=int(mask),
@@ -644,9 +710,30 @@ class DraftHParams:
             kv.append((CAUSAL, self.causal))
         if mrope:  # the draft ropes on the temporal section only
             kv.append((ROPE_DIMENSION_SECTIONS, [self.head_dim // 2, 0, 0, 0]))
+        if self.variant is DSPARK or self.sample_from_anchor:  # both always: llama.cpp's defaults are true
+            kv += [(SAMPLE_FROM_ANCHOR, self.sample_from_anchor), (HAS_CONFIDENCE_HEAD, self.has_confidence_head)]
         if file_type is not None:
             kv.append((GENERAL_QUANTIZATION_VERSION, GGML_QUANT_VERSION))
         return kv
+
+
+def _gguf_dspark_fields(kv: dict[str, Any], tensors: dict[str, tuple]) -> dict[str, Any]:
+    """A DSpark draft's rank (markov_w1's ne0, as the pinned loader reads it), its confidence head
+    (conf_proj.weight present; `dflash.has_confidence_head` must agree) and its block layout
+    (`dflash.sample_from_anchor`; missing: the variant's default, as the pinned loop reads it)."""
+    w1 = tensors.get(DSPARK.marker)
+    rank = int(w1[0]) if w1 is not None and len(w1) == 2 else 0
+    if w1 is not None and not 0 < rank <= INT32_MAX:
+        raise ValueError(f"tensor '{DSPARK.marker}' has shape {list(w1)}: expected [markov_rank, n_vocab]")
+    has_conf = "conf_proj.weight" in tensors
+    if rank and HAS_CONFIDENCE_HEAD in kv and bool(kv[HAS_CONFIDENCE_HEAD]) != has_conf:
+        raise ValueError(f"'{HAS_CONFIDENCE_HEAD}' = {bool(kv[HAS_CONFIDENCE_HEAD])} but the draft "
+                         f"{'has' if has_conf else 'has no'} conf_proj.weight")
+    for key in (SAMPLE_FROM_ANCHOR, HAS_CONFIDENCE_HEAD):
+        if key in kv and not isinstance(kv[key], (bool, np.bool_)):
+            raise ValueError(f"'{key}' = {_show(kv[key])}: expected a bool")
+    anchor_first = bool(kv.get(SAMPLE_FROM_ANCHOR, (DSPARK if rank else DFLASH1).anchor_first))
+    return dict(markov_rank=rank, has_confidence_head=bool(rank) and has_conf, sample_from_anchor=anchor_first)
 
 
 # --- reading config.json (errors say what is wrong; from_hf_config names the file) ----------------
@@ -674,6 +761,7 @@ HF_INTEGERS: dict[str, tuple[int, int]] = {
     "conv_group_size": (1, 65536),  # published: 16; must divide hidden_size
     "selector_rank": (1, 65536),  # published: 256
     "selector_top_k": (1, 1024),  # published: 16
+    "markov_rank": (0, 65536),  # published: 256; 0: no Markov head
 }
 MAX_TARGET_LAYER_IDS = 512  # one tap per target layer at most (LLAMA_MAX_LAYERS)
 # Every float of config.json: finite, lowest < value <= highest, also once rounded to float32.
@@ -734,7 +822,7 @@ def _hf_kind(config: dict) -> tuple[Variant, dict]:
     archs, dflash = config.get("architectures") or [], config.get("dflash_config")
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ValueError(f"architectures = {_show(archs)}: expected a list of class names")
-    known = {v.architecture: v for v in VARIANTS.values()}
+    known = {v.architecture: v for v in VARIANTS.values()} | {a: DSPARK for a in DSPARK_ARCHITECTURES}
     if archs and not any(a in known for a in archs):
         raise ValueError(f"unsupported architecture {archs}: expected one of {sorted(known)}")
     if not isinstance(dflash, dict):
@@ -760,24 +848,42 @@ QWEN3_DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "use_sliding_window": False,
     "sliding_window": 4096, "max_window_layers": 28, "attention_bias": False,
 }
-SPECULATORS_TYPES = {"dflash": DFLASH1, "dflash2": DFLASH2}  # speculators_model_type -> variant
+SPECULATORS_TYPES = {"dflash": DFLASH1, "dflash2": DFLASH2, "dspark": DSPARK}  # speculators_model_type
 # the defaults of speculators' DFlash(2)SpeculatorConfig (speculators 0.9.0)
 _SPECULATORS_DEFAULTS: dict[str, Any] = {"block_size": 8, "sample_from_anchor": False,
                                          "conv_kernel_size": 2, "conv_group_size": 16,
                                          "selector_rank": 256, "selector_top_k": 16}
+# DSpark's settings, with the defaults of speculators' DSparkSpeculatorConfig (DeepSpec's and
+# SpecForge's configs agree, and they are what the pinned converter assumes)
+DSPARK_DEFAULTS: dict[str, Any] = {"sample_from_anchor": True, "markov_rank": 256, "markov_head_type": "vanilla",
+                                   "enable_confidence_head": True, "confidence_head_with_markov": True}
+# DeepSpec's top-level DFlash settings (its config is the target's with these added)
+_DEEPSPEC_KEYS = ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers", *DSPARK_DEFAULTS)
 
 
 def checkpoint_format(config: dict) -> str:
-    """Which format a draft's config.json is in: "speculators" (vLLM's) or "z-lab" (the published
-    DFlash format, which our trainer writes too)."""
-    return "speculators" if isinstance(config, dict) and "speculators_model_type" in config else "z-lab"
+    """Which format a draft's config.json is in: "speculators" (vLLM's), "deepspec" (DeepSeek's
+    `Qwen3DSparkModel`: DFlash keys at the top level, no dflash_config) or "z-lab" (the published
+    DFlash format, which our trainer and SpecForge write too)."""
+    if not isinstance(config, dict):
+        return "z-lab"
+    if "speculators_model_type" in config:
+        return "speculators"
+    archs = config.get("architectures")
+    if isinstance(archs, list) and "Qwen3DSparkModel" in archs and "dflash_config" not in config:
+        return "deepspec"
+    return "z-lab"
 
 
 def normalized_hf_config(config: dict) -> dict:
     """config.json in z-lab's format: a speculators one rewritten (its transformer_layer_config with
     Qwen3Config's defaults at the top level, the DFlash keys in `dflash_config`, its
     `aux_hidden_state_layer_ids` (hidden-state indices) as target_layer_ids = ids - 1, its
-    `sliding_window_non_causal` as is_causal); a z-lab one as it is. ValueError for what cannot be."""
+    `sliding_window_non_causal` as is_causal); a DeepSpec one with its top-level DFlash keys in
+    `dflash_config`; a z-lab one as it is. ValueError for what cannot be."""
+    if checkpoint_format(config) == "deepspec":
+        dflash = {k: config[k] for k in _DEEPSPEC_KEYS if k in config}
+        return {**config, "architectures": [DSPARK.architecture], "dflash_config": dflash}
     if checkpoint_format(config) != "speculators":
         return config
     kind = config["speculators_model_type"]
@@ -785,8 +891,9 @@ def normalized_hf_config(config: dict) -> dict:
         raise ValueError(f"speculators_model_type = {_show(kind)} is not supported "
                          f"(only {', '.join(sorted(SPECULATORS_TYPES))})")
     variant = SPECULATORS_TYPES[kind]
-    value = lambda name: config.get(name, _SPECULATORS_DEFAULTS.get(name))  # noqa: E731
-    if _flag("sample_from_anchor", value("sample_from_anchor")):
+    defaults = {**_SPECULATORS_DEFAULTS, **(DSPARK_DEFAULTS if variant is DSPARK else {})}
+    value = lambda name: config.get(name, defaults.get(name))  # noqa: E731
+    if variant is not DSPARK and _flag("sample_from_anchor", value("sample_from_anchor")):
         raise ValueError("sample_from_anchor = true (an anchor-first block, as DSpark drafts) is not "
                          f"supported for {variant.title} drafts")
     layer = _object("transformer_layer_config", config.get("transformer_layer_config"))
@@ -809,6 +916,8 @@ def normalized_hf_config(config: dict) -> dict:
     if variant is DFLASH2:
         dflash.update({k: value(k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
                                               "selector_top_k")})
+    if variant is DSPARK:
+        dflash.update({k: value(k) for k in DSPARK_DEFAULTS})
     non_causal = _flag("sliding_window_non_causal", config.get("sliding_window_non_causal", variant is DFLASH2))
     if non_causal:  # full layers are never causal there
         out["is_causal"] = False
@@ -882,8 +991,11 @@ def _hf_fields(config: dict) -> dict[str, Any]:
         causal_at_top=top_causal is False, **_hf_variant_fields(variant, value))
 
 
-def _hf_variant_fields(variant: Variant, value) -> dict[str, int]:
-    """The DFlash 2 sizes (missing ones are an error, not a default: published heads differ)."""
+def _hf_variant_fields(variant: Variant, value) -> dict[str, Any]:
+    """The DFlash 2 sizes (missing ones are an error, not a default: published heads differ); a
+    DSpark-family draft's heads and block layout (DSPARK_DEFAULTS)."""
+    if variant is DSPARK:
+        return _hf_dspark_fields(value)
     if variant is not DFLASH2:
         return {}
     out = {}
@@ -892,6 +1004,25 @@ def _hf_variant_fields(variant: Variant, value) -> dict[str, int]:
             raise ValueError(f"a DFlash 2 config needs dflash_config.{name}")
         out[name] = hf_integer(name, value(name))
     return out
+
+
+def _hf_dspark_fields(value) -> dict[str, Any]:
+    """markov_rank (0: DeepSpec's anchor-first "DFlash"), the confidence head, the block layout;
+    only the vanilla Markov head and a confidence head reading the Markov row, as the pinned
+    llama.cpp runs them."""
+    setting = lambda name: value(name) if value(name) is not None else DSPARK_DEFAULTS[name]  # noqa: E731
+    rank = setting("markov_rank")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= HF_INTEGERS["markov_rank"][1]:
+        raise ValueError(f"markov_rank = {_show(rank)}: expected an integer in 0..{HF_INTEGERS['markov_rank'][1]}")
+    if (kind := setting("markov_head_type")) != "vanilla" and rank:
+        raise ValueError(f"markov_head_type = {_show(kind)} is not supported (only vanilla, as the pinned "
+                         "llama.cpp runs it)")
+    confidence = bool(rank) and _flag("enable_confidence_head", setting("enable_confidence_head"))
+    if confidence and not _flag("confidence_head_with_markov", setting("confidence_head_with_markov")):
+        raise ValueError("confidence_head_with_markov = false is not supported (the pinned llama.cpp's "
+                         "confidence head reads [hidden ; markov_w1 row])")
+    return dict(markov_rank=rank, has_confidence_head=confidence,
+                sample_from_anchor=_flag("sample_from_anchor", setting("sample_from_anchor")))
 
 
 def _hf_target_layer_ids(value) -> list[int] | None:
