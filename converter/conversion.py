@@ -25,7 +25,7 @@ from dflash_llama.schema import DraftHParams
 
 from .checkpoint import ConversionError, SourceTensor, read_config, read_tensors
 from .target import TargetInfo, TokenizerField, read_target
-from .vocabulary import choose_tokens, head_rows
+from .vocabulary import choose_tokens, head_rows, same_as_target
 
 log = logging.getLogger("dflash_llama.converter")
 
@@ -85,6 +85,9 @@ def convert(draft_dir: str | os.PathLike, target: str | os.PathLike, out: str | 
     if out.is_dir():
         raise ConversionError(f"output {out} is a directory: name the GGUF file to write")
     plan = make_plan(Path(draft_dir), target)
+    if draft_vocab and L.MARKOV in plan.config.heads:
+        raise ConversionError(f"--draft-vocab {draft_vocab}: a reduced vocabulary for a DSpark draft is not supported "
+                              "yet (its markov_w2 covers the whole vocabulary)")
     if draft_vocab and plan.vocabulary is not None:
         raise ConversionError(f"--draft-vocab {draft_vocab}: the checkpoint {draft_dir} has a reduced vocabulary of "
                               f"its own ({len(plan.vocabulary)} tokens, d2t)")
@@ -122,6 +125,10 @@ def make_plan(draft_dir: Path, target: str | os.PathLike) -> Plan:
     if L.checkpoint_format(raw) == "speculators":
         _drop_verifier_copies(tensors)
     tgt = read_target(target)
+    if cfg.variant is L.DSPARK or cfg.sample_from_anchor:
+        if _named(tensors, L.D2T) is not None:
+            raise ConversionError(f"{draft_dir}: a reduced vocabulary (d2t) for a DSpark draft is not supported yet")
+        _own_copies(draft_dir, tensors, tgt)
     vocabulary, own_head = _checkpoint_vocabulary(draft_dir, config, tensors, tgt, cfg.n_embd)
 
     if cfg.n_embd != tgt.hidden:
@@ -182,6 +189,31 @@ def _drop_verifier_copies(tensors: dict[str, SourceTensor]) -> None:
             del tensors[name]
 
 
+def _own_copies(draft_dir: Path, tensors: dict[str, SourceTensor], tgt: TargetInfo) -> None:
+    """A DSpark-family checkpoint's own embeddings and head (DeepSpec saves copies of the target's):
+    a copy of the target's is dropped (the draft borrows the target's); a head that differs stays,
+    written as the draft's `output.weight` (the pinned converter drops it whatever it holds); other
+    embeddings than the target's are refused (the draft's block embeds with the target's)."""
+    for name, embeddings in (("embed_tokens.weight", True), ("lm_head.weight", False)):
+        key = _named(tensors, name)
+        if key is None:
+            continue
+        own = tensors[key]
+        if own.shape != (tgt.vocab, tgt.hidden):
+            raise ConversionError(f"{draft_dir}: tensor {key!r} has shape {list(own.shape)}, expected "
+                                  f"[{tgt.vocab}, {tgt.hidden}] (the target's vocabulary and hidden size)")
+        same = same_as_target(own, tgt, embeddings)
+        if same is None:
+            log.warning("%s: the target %s is quantized: its %s cannot be compared with the draft's %s; the "
+                        "draft's is %s", draft_dir, tgt.path, "embeddings" if embeddings else "head", key,
+                        "dropped" if embeddings else "kept")
+        if same or (same is None and embeddings):
+            del tensors[key]
+        elif embeddings:
+            raise ConversionError(f"{draft_dir}: tensor {key!r} differs from the target's token embeddings: a draft "
+                                  "with embeddings of its own is not supported")
+
+
 def _named(tensors: dict[str, SourceTensor], name: str) -> str | None:
     """The key of the checkpoint tensor `name` (spelled with or without a `model.` prefix), if any."""
     return next((n for n in (name, "model." + name) if n in tensors), None)
@@ -236,6 +268,9 @@ def _map_tensors(cfg: DraftHParams, tensors: dict[str, SourceTensor], dims: dict
             raise ConversionError(f"{draft_dir}: unexpected tensor {hf_name!r}: not part of a "
                                   f"{cfg.variant.title} draft")
         name, spec = hit
+        if spec.head and cfg.variant.has(spec.head) and spec.head not in cfg.heads:
+            raise ConversionError(f"{draft_dir}: tensor {hf_name!r} is a {spec.head} head's, but config.json says "
+                                  f"the draft has none (enable_confidence_head)")
         if spec.head and not cfg.variant.has(spec.head):
             title = next(v.title for v in L.VARIANTS.values() if v.has(spec.head))
             raise ConversionError(f"{draft_dir}: tensor {hf_name!r} belongs to a {title} draft, but config.json "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .checkpoint import ConversionError, read_tensors
+from .checkpoint import ConversionError, SourceTensor, read_tensors
 from .target import TargetInfo
 
 # llama.cpp's token types (gguf-py TokenType)
@@ -51,14 +51,25 @@ def choose_tokens(target: TargetInfo, k: int) -> np.ndarray:
     return np.array(sorted(eog | set(rest)), dtype=np.int64)
 
 
-def head_rows(target: TargetInfo, ids: np.ndarray) -> np.ndarray:
-    """Rows `ids` of the target's output head (its tied embeddings if it has none), f32 [K, hidden]."""
+def head_rows(target: TargetInfo, ids: np.ndarray, embeddings: bool = False) -> np.ndarray:
+    """Rows `ids` of the target's output head (its tied embeddings if it has none), f32 [K, hidden];
+    embeddings: of its token embeddings."""
+    rows, _ = _target_rows(target, ids, embeddings)
+    return rows
+
+
+# the target tensor types whose values a 16-bit or f32 draft copy can equal exactly
+_FLOAT_TYPES = ("f32", "f16", "bf16", "F32", "F16", "BF16")
+
+
+def _target_rows(target: TargetInfo, ids: np.ndarray, embeddings: bool) -> tuple[np.ndarray, bool]:
+    """(rows, whether they are stored as floats, not quantized)."""
     if target.kind == "gguf":
         from dflash_llama import gguf_info
 
         info = gguf_info(target.path)
-        names = {t.name for t in info.tensors}
-        name = "output.weight" if "output.weight" in names else "token_embd.weight"
+        names = {t.name: t for t in info.tensors}
+        name = "token_embd.weight" if embeddings or "output.weight" not in names else "output.weight"
         if name not in names:
             raise ConversionError(f"target {target.path}: no output.weight nor token_embd.weight to take the "
                                   "draft's head rows from")
@@ -66,15 +77,31 @@ def head_rows(target: TargetInfo, ids: np.ndarray) -> np.ndarray:
             rows = info.read(name, rows=ids)
         except ValueError as e:
             raise ConversionError(f"target {target.path}: {e}") from e
+        exact = names[name].type in _FLOAT_TYPES
     else:
         tensors = read_tensors(target.path)
-        head = next((tensors[n] for n in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight")
-                     if n in tensors), None)
+        order = ("model.embed_tokens.weight", "embed_tokens.weight") if embeddings else (
+            "lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight")
+        head = next((tensors[n] for n in order if n in tensors), None)
         if head is None:
             raise ConversionError(f"target {target.path}: no lm_head.weight nor embed_tokens.weight to take the "
                                   "draft's head rows from")
-        rows = head.load_f32()[ids]
+        rows, exact = head.load_f32()[ids], True
     if rows.shape != (len(ids), target.hidden):
         raise ConversionError(f"target {target.path}: output head rows have shape {list(rows.shape)}, "
                               f"expected [{len(ids)}, {target.hidden}]")
-    return np.ascontiguousarray(rows, dtype=np.float32)
+    return np.ascontiguousarray(rows, dtype=np.float32), exact
+
+
+def same_as_target(own: SourceTensor, target: TargetInfo, embeddings: bool) -> bool | None:
+    """Whether a draft's own copy [vocab, hidden] holds the target's head (or embeddings), rounded to
+    the copy's dtype; None when the target is quantized (no exact comparison)."""
+    rows, exact = _target_rows(target, np.arange(target.vocab), embeddings)
+    if not exact:
+        return None
+    if own.dtype == "BF16":  # round to nearest even, as torch casts
+        bits = rows.view(np.uint32).astype(np.uint64)
+        rows = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+    elif own.dtype == "F16":
+        rows = rows.astype(np.float16).astype(np.float32)
+    return bool(np.array_equal(own.load_f32(), rows))

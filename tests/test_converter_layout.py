@@ -50,7 +50,7 @@ def test_every_key_is_a_pinned_key(pinned_names):
 
 def test_every_tensor_is_a_pinned_dflash_tensor(pinned_names):
     for spec in L.TENSORS:
-        base = spec.gguf.removesuffix(".weight")
+        base = spec.gguf.removesuffix(".weight").removesuffix(".bias")
         assert base in pinned_names["tensors"], spec.gguf
 
 
@@ -67,7 +67,8 @@ def test_names_map_both_ways():
 
 def test_shapes_and_f32_rule():
     dims = {"n_embd": 64, "n_taps": 3, "n_head": 8, "n_head_kv": 2, "head_dim": 16, "n_ff": 128,
-            "n_vocab": 100, "conv_k": 2, "conv_groups": 4, "selector_rank": 16}
+            "n_vocab": 100, "conv_k": 2, "conv_groups": 4, "selector_rank": 16, "markov_rank": 8,
+            "n_vocab_draft": 100}
     shape = {s.gguf: L.expected_shape(s, dims) for s in L.TENSORS}
     assert shape["fc.weight"] == (192, 64)
     assert shape["blk.{bid}.attn_conv_base"] == (64, 2, 2)  # {n_embd, K, 2}, as the pinned loader creates it
