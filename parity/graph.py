@@ -34,6 +34,8 @@ LLAMA_LATTICE = "dflash2_lattice"
 # intermediates llama.cpp's graph computes without naming them (the convolutions' dynamic taps): the
 # native peer cannot trace them, so they are compared between the reference and our runtime only
 UNNAMED_IN_LLAMA = ("attn_conv_dyn", "ffn_conv_dyn")
+# DSpark heads, per drafted slot (the reference traces them; the three-way stage comes with the runtime)
+DSPARK_NAMES = ("markov_prev", "markov_bias", "biased_logits", "confidence")
 
 # which GGUF tensor each intermediate reads first (a weight fault shows there first)
 FIRST_READER = {
@@ -60,6 +62,11 @@ FIRST_READER = {
     "selector_hidden.weight": "selector_gate",
     "selector_predecessor.weight": "selector_scores",
     "selector_successor.weight": "selector_scores",
+    # DSpark (the reference's trace names; our runtime and llama.cpp's graph do not run it yet)
+    "markov_w1.weight": "markov_bias",
+    "markov_w2.weight": "markov_bias",
+    "conf_proj.weight": "confidence",
+    "conf_proj.bias": "confidence",
 }
 
 

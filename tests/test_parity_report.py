@@ -14,7 +14,7 @@ from parity_helpers import PROMPTS, tiny_draft
 
 from dflash_llama import schema as L
 from dflash_llama.parity import bounds as B, report as R
-from dflash_llama.parity.graph import SELECTOR_NAMES, first_reader, graph_order
+from dflash_llama.parity.graph import DSPARK_NAMES, SELECTOR_NAMES, first_reader, graph_order
 from dflash_llama.parity.stages import ParityConfig, layer_check, run_parity
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "parity.md"
@@ -165,7 +165,7 @@ def test_first_reader_covers_every_tensor():
         reader = first_reader(name)
         assert reader is not None, name
         variant = next(v for v in L.VARIANTS.values() if not spec.head or v.has(spec.head))
-        computed = graph_order(4, variant) + list(SELECTOR_NAMES)  # the selector: per slot, no layer
+        computed = graph_order(4, variant) + list(SELECTOR_NAMES) + list(DSPARK_NAMES)  # heads: per slot, no layer
         assert reader in computed, (name, reader, variant.name)
     assert first_reader("blk.1.attn_k.weight") == "Kcur_injected-1"
     assert first_reader("blk.0.ffn_norm.weight") == "ffn_norm-0"
