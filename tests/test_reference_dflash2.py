@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from test_reference_speculative import OracleDraft, chi_square_p, oracle_logits, random_prompts
+from test_reference_speculative import OracleDraft, chi_square_p, oracle_logits, random_prompts, two_token_marginals
 
 from dflash_llama import fixtures
 from dflash_llama.reference import (
@@ -21,7 +21,6 @@ from dflash_llama.reference import (
     load_draft,
     load_draft_for_target,
 )
-from dflash_llama.reference.speculative import sampling_probs
 
 dm = pytest.importorskip("dflash.model")  # the published reference, installed --no-deps
 
@@ -297,12 +296,7 @@ def test_speculative_sampling_over_the_walk_is_lossless(tmp_path):
         ffn=64, init_std=0.3, seed=8)), target)
     s = Sampling(temperature=1.5, top_p=0.95, top_k=8)
     prompt = [3, 7, 1]
-    pairs = torch.cartesian_prod(torch.arange(12), torch.arange(12))
-    logits = target.model(torch.cat([torch.tensor(prompt).expand(144, 3), pairs], dim=1)).logits
-    p0 = sampling_probs(logits[0, 2], s)
-    p1 = sampling_probs(logits[::12, 3], s)  # [t0, V]
-    p2 = sampling_probs(logits[:, 4], s).reshape(12, 12, 12)  # [t0, t1, V]
-    marginal1, marginal2 = p0 @ p1, torch.einsum("a,ab,abv->v", p0, p1, p2)
+    p0, marginal1, marginal2 = two_token_marginals(target, prompt, s)
 
     counts1, counts2 = torch.zeros(12, dtype=torch.long), torch.zeros(12, dtype=torch.long)
     trials, accepted = 800, 0

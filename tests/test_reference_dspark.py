@@ -17,7 +17,7 @@ from importlib import metadata, util
 
 import pytest
 import torch
-from test_reference_speculative import OracleDraft, chi_square_p, random_prompts
+from test_reference_speculative import OracleDraft, chi_square_p, random_prompts, two_token_marginals
 
 from dflash_llama import fixtures
 from dflash_llama.reference import (
@@ -27,7 +27,6 @@ from dflash_llama.reference import (
     generate_speculative,
     load_draft_for_target,
 )
-from dflash_llama.reference.speculative import sampling_probs
 
 torch.set_num_threads(1)
 DS = dict(variant="dspark", target_layer_ids=[1, 3])
@@ -229,12 +228,7 @@ def test_speculative_sampling_over_the_chain_is_lossless(tmp_path):
         variant="dspark", markov_rank=4, block_size=2, head_dim=8, ffn=64, init_std=0.3, seed=8)), target)
     s = Sampling(temperature=1.5, top_p=0.95, top_k=8)
     prompt = [3, 7, 1]
-    pairs = torch.cartesian_prod(torch.arange(12), torch.arange(12))
-    logits = target.model(torch.cat([torch.tensor(prompt).expand(144, 3), pairs], dim=1)).logits
-    p0 = sampling_probs(logits[0, 2], s)
-    p1 = sampling_probs(logits[::12, 3], s)
-    p2 = sampling_probs(logits[:, 4], s).reshape(12, 12, 12)
-    marginal1, marginal2 = p0 @ p1, torch.einsum("a,ab,abv->v", p0, p1, p2)
+    p0, marginal1, marginal2 = two_token_marginals(target, prompt, s)
 
     counts1, counts2 = torch.zeros(12, dtype=torch.long), torch.zeros(12, dtype=torch.long)
     trials, accepted = 800, 0

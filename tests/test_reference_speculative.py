@@ -298,3 +298,17 @@ def test_sampling_is_reproducible_by_seed(tiny_draft_hf, reference_target):
     ar = lambda seed: generate_autoregressive(  # noqa: E731
         reference_target, prompt, 12, sampling=Sampling(0.9, top_k=50, seed=seed)).tokens
     assert ar(1) == ar(1) != ar(2)
+
+
+def two_token_marginals(target, prompt: list[int], s, n_vocab: int = 12):
+    """The target's exact sampling distributions of the first generated token given the prompt (p0 [V])
+    and the marginals of the first two (over every pair of a vocabulary of n_vocab) [V] each."""
+    from dflash_llama.reference.speculative import sampling_probs
+
+    v, n = n_vocab, len(prompt)
+    pairs = torch.cartesian_prod(torch.arange(v), torch.arange(v))
+    logits = target.model(torch.cat([torch.tensor(prompt).expand(v * v, n), pairs], dim=1)).logits
+    p0 = sampling_probs(logits[0, n - 1], s)
+    p1 = sampling_probs(logits[::v, n], s)  # [t0, V]
+    p2 = sampling_probs(logits[:, n + 1], s).reshape(v, v, v)  # [t0, t1, V]
+    return p0, p0 @ p1, torch.einsum("a,ab,abv->v", p0, p1, p2)
