@@ -23,6 +23,8 @@ TAKES = {"convert": (True, False), "generate": (True, True), "parity": (True, Tr
 SHARED = {"-t": cli_args.THREADS, "-c": cli_args.CTX_SIZE, "-n": cli_args.N_PREDICT, "-s": cli_args.SEED,
           "--temp": cli_args.TEMP}
 OWN_MEANING = {("parity", "-n")}
+# the runtime's own decoding leaves -t unset by default: it measures the fastest thread count
+MEASURED_THREADS = {"generate", "run"}
 
 
 def subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -73,6 +75,8 @@ def test_shared_flags_have_one_default(flag):
         a = option(p, flag)
         if a is not None and (name, flag) not in OWN_MEANING:
             seen[name] = a.default
+    if flag == "-t":
+        assert {n: seen.pop(n) for n in MEASURED_THREADS} == dict.fromkeys(MEASURED_THREADS)
     assert seen and set(seen.values()) == {SHARED[flag]}, seen
     long = {"-t": "--threads", "-c": "--ctx-size", "-n": "--n-predict", "-s": "--seed", "--temp": "--temp"}[flag]
     assert all(long in option(p, flag).option_strings for n, p in subparsers().items() if n in seen)

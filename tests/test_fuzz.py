@@ -121,6 +121,6 @@ def test_dflash2_mutants_reach_its_keys_and_tensors_and_fail_nothing(dflash2_cor
     found = [fuzz.run_mutant(fuzz.Job("converter", 2030, i, c, fuzz.Options(), (), str(tmp_path))) for i in (135, 239)]
     assert [(o.mutation, o.category, o.cause.split("config.json: ")[-1]) for o in found] == [
         ("speculators format: config.json speculators_model_type = [5]", "clean",
-         "speculators_model_type = [5] is not supported (only dflash, dflash2)"),
+         "speculators_model_type = [5] is not supported (only dflash, dflash2, dspark)"),
         ("speculators format: config.json speculators_model_type = {}", "clean",
-         "speculators_model_type = {} is not supported (only dflash, dflash2)")]
+         "speculators_model_type = {} is not supported (only dflash, dflash2, dspark)")]
