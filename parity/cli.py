@@ -24,6 +24,7 @@ from dflash_llama.cli_args import add_model_args, add_threads_arg, threads
 
 DEFAULT_LIMIT = 3
 DEFAULT_N_PREDICT = 32
+DEFAULT_PROMPT_TOKENS = 192
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"tokens generated per prompt in the end-to-end stage, a check kept short "
                         f"(default {DEFAULT_N_PREDICT})")
     p.add_argument("--graph-prompts", type=int, default=2, help="prompts feeding the graph stage (default 2)")
+    p.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS,
+                   help=f"prompt tokens kept per prompt, longer prompts cut from the left (default "
+                        f"{DEFAULT_PROMPT_TOKENS}; every stage decodes each prompt several times, so on a large "
+                        f"target on a CPU this sets much of the time)")
     p.add_argument("--reference-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="the reference target's weights and activations (default float32; bfloat16 halves "
                         "its memory and loosens nothing: its errors show against the bounds)")
@@ -92,6 +97,8 @@ def _config(args, target, draft, draft_hf, target_hf, name):
 
     if args.n_predict < 1:
         raise ValueError(f"--n-predict must be at least 1, got {args.n_predict}")
+    if args.prompt_tokens < 1:
+        raise ValueError(f"--prompt-tokens must be at least 1, got {args.prompt_tokens}")
     build = args.native_build  # None: the pinned build
     return ParityConfig(target=Path(target), draft=Path(draft), draft_hf=draft_hf and Path(draft_hf),
                         target_hf=target_hf and Path(target_hf), prompts=_prompts(args), name=name,
@@ -100,7 +107,7 @@ def _config(args, target, draft, draft_hf, target_hf, name):
                         native_tool=build.tool("llama-speculative-simple") if build else None,
                         native_build=build.label if build else "pinned", reference_dtype=args.reference_dtype,
                         reference_device=args.reference_device, divergence_lengths=args.divergence_lengths,
-                        verify_widths=args.verify_widths)
+                        verify_widths=args.verify_widths, max_context=args.prompt_tokens)
 
 
 def _native_build(args):

@@ -928,8 +928,10 @@ def run_parity(cfg: ParityConfig, progress_bar: bool = True) -> dict:
                                                         target_info.architecture, hf_ids, progress)
         with meter.phase("reference draft (graph)"):
             # the target's embedding and head as the draft reads them: from the GGUF, by gguf-py; a
-            # streamed target's embedding rows read as blocks need them
-            embed, lm_head, rows = gguf_vocab_tables(cfg.target, lazy=reference_target.streamed)
+            # streamed target's embedding rows read as blocks need them, its head shared when the same
+            embed, lm_head, rows = gguf_vocab_tables(
+                cfg.target, lazy=reference_target.streamed,
+                head_in_memory=reference_target.lm_head if reference_target.streamed else None)
             fill_rows = rows.fill if rows is not None else None
             ref_draft = load_draft(cfg.draft_hf or cfg.draft, embed, lm_head)
             if cfg.draft_hf:  # a reduced vocabulary is made at conversion: the HF weights, the GGUF's d2t

@@ -404,10 +404,15 @@ class _GGUFRows:
         return torch.from_numpy(self.info.read(key, rows=ids.tolist()))
 
 
-def gguf_vocab_tables(path: str | os.PathLike, lazy: bool) -> tuple[torch.Tensor, torch.Tensor, EmbeddingRows | None]:
+def gguf_vocab_tables(path: str | os.PathLike, lazy: bool, head_in_memory: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, EmbeddingRows | None]:
     """A GGUF target's token embedding and output head for a draft (its embedding of the block and
     its logits), dequantised to float32 by gguf-py: the head whole; the embedding whole too, or
-    with `lazy` an unread table whose rows EmbeddingRows.fill reads (when the head is not tied to it)."""
+    with `lazy` an unread table whose rows EmbeddingRows.fill reads (when the head is not tied to it).
+
+    head_in_memory: a float32 head already held (a streamed reference target's), used instead of a
+    second copy when it holds exactly the file's values (compared in chunks of rows: an 8B target's
+    head is 2.5 GiB in float32)."""
     from dflash_llama import gguf_info
 
     info = gguf_info(path)
@@ -416,10 +421,27 @@ def gguf_vocab_tables(path: str | os.PathLike, lazy: bool) -> tuple[torch.Tensor
         embed = torch.from_numpy(info.read("token_embd.weight"))
         head = torch.from_numpy(info.read("output.weight")) if "output.weight" in names else embed
         return embed, head, None
-    head = torch.from_numpy(info.read("output.weight"))
+    if head_in_memory is not None and holds_rows_of(info, "output.weight", head_in_memory):
+        head = head_in_memory
+    else:
+        head = torch.from_numpy(info.read("output.weight"))
     shape = (head.shape[0], info.tensor("token_embd.weight").shape[0])
     rows = EmbeddingRows(_GGUFRows(info), "token_embd.weight", shape, torch.float32, "cpu")
     return rows.table, head, rows
+
+
+def holds_rows_of(info, key: str, table: torch.Tensor, chunk: int = 8192) -> bool:
+    """Whether `table` (float32, on the CPU) equals the GGUF tensor `key` as gguf-py dequantises it,
+    bit for bit; read `chunk` rows at a time."""
+    n = table.shape[0] if table.dim() == 2 else -1
+    if table.dtype != torch.float32 or table.device.type != "cpu" or list(info.tensor(key).shape)[::-1] != [
+            n, table.shape[-1]]:
+        return False
+    for first in range(0, n, chunk):
+        ids = list(range(first, min(first + chunk, n)))
+        if not torch.equal(torch.from_numpy(info.read(key, rows=ids)), table[first:first + len(ids)]):
+            return False
+    return True
 
 
 # ---------------------------------------------------------------- the model, filled by groups

@@ -29,6 +29,12 @@ def test_missing_arguments(capsys):
     assert "dflash-llama parity: error: -md --out required (or --all)" in capsys.readouterr().err
 
 
+def test_counts_must_be_positive(tmp_path, capsys, pair):
+    for flag in ("--prompt-tokens", "--n-predict"):
+        assert cli.main(["parity", "-m", "t.gguf", "-md", str(pair[1]), "--out", str(tmp_path / "r"), flag, "0"]) == 2
+        assert f"dflash-llama parity: error: {flag} must be at least 1, got 0\n" == capsys.readouterr().err
+
+
 def test_quant_study_arguments(tmp_path, capsys):
     assert cli.main(["parity", "--quant-study"]) == 2
     assert "dflash-llama parity: error: --quant-study needs --out" in capsys.readouterr().err

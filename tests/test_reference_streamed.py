@@ -8,6 +8,7 @@ import torch
 
 from dflash_llama import families
 from dflash_llama.reference import Target
+from dflash_llama.reference.target import gguf_vocab_tables
 
 PROMPT = [1, 50, 300, 7, 900, 12, 5, 77, 1000, 3, 50, 300]
 # transformers' own GGUF loader cannot read these two families' GGUFs (whole or streamed): the
@@ -64,6 +65,12 @@ def test_streamed_target_options(family_targets, capsys):
     assert torch.equal(target.embed_tokens, whole.embed_tokens)  # every row read on demand
     target.forward(PROMPT, 0, target.new_cache())
     assert "reference target (12 tokens)" in capsys.readouterr().err  # the bar over the layers
+    # the draft's head: the streamed target's own when it holds the file's values, else a copy of its own
+    assert gguf_vocab_tables(gguf, lazy=True, head_in_memory=target.lm_head)[1] is target.lm_head
+    off = target.lm_head.clone()
+    off[-1, -1] += 1e-3
+    head = gguf_vocab_tables(gguf, lazy=True, head_in_memory=off)[1]
+    assert head is not off and torch.equal(head, target.lm_head)
     half = Target.load(gguf, dtype=torch.bfloat16, streamed=True)
     a = whole.forward(PROMPT, 0, whole.new_cache()).logits
     b = half.forward(PROMPT, 0, half.new_cache()).logits
