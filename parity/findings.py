@@ -5,6 +5,7 @@ runnable reproduction per finding of docs/upstream_status.md.
     python -m dflash_llama.parity.findings U3 U5      # some
     python -m dflash_llama.parity.findings --patched  # each on the pinned build and on patches/series
     python -m dflash_llama.parity.findings --dflash2-study [PAIR [N]]  # DFlash 2 drafts at each n_max
+    python -m dflash_llama.parity.findings --refuted  # suspected divergences a run refuted, checked again
 
 Each prints what it measured and whether the divergence is present; the exit status is the number
 of findings reproduced (0 once llama.cpp has fixed them all). With `--patched`, each finding the
@@ -15,9 +16,12 @@ folder (`$DFLASH_LLAMA_CACHE`).
 
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -362,6 +366,13 @@ def main(argv: list[str] | None = None) -> int:
         pair = argv[1] if len(argv) > 1 else DFLASH2_STUDY_PAIR
         print(dflash2_study_table(dflash2_acceptance_study(pair, int(argv[2]) if len(argv) > 2 else 24)))
         return 0
+    if argv[:1] == ["--refuted"]:  # suspected divergences a run refuted: exit status = how many diverge now
+        diverging = 0
+        for name, check in REFUTED.items():
+            present = check()
+            print(f"{name}: {'DIVERGES' if present else 'refuted (no divergence)'}")
+            diverging += present
+        return diverging
     on_patched = "--patched" in argv
     names = [a for a in argv if a != "--patched"] or list(FINDINGS)
     unknown = [n for n in names if n not in FINDINGS]
@@ -417,6 +428,319 @@ def u11_hybrid_rollback_across_requests() -> bool:
 
 
 FINDINGS["U11"] = u11_hybrid_rollback_across_requests
+
+
+# --- DSpark drafts in llama.cpp (docs/variants.md, "The pinned llama.cpp's converter and loop") -----
+
+# a tiny DeepSpec-format DSpark draft (own copies of the target's embeddings and head, as published);
+# taps 0 and 2 (a tap on the last of the 4 target layers would hit U2)
+DSPARK_DRAFT = dict(variant="dspark", target_layer_ids=[0, 2], block_size=6, markov_rank=8, dtype="float32")
+# Qwen3Config's defaults that speculators' config diff omits (the tiny draft's values are these)
+SPECULATORS_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+_DRAFT_CANDIDATE = re.compile(r"draft candidate\s+0, pos\s+\d+:\s+(\d+) ")
+_ACCEPTED = re.compile(r"accepted (\d+)/(\d+) draft tokens, the last target token is: \((\d+)\)")
+
+
+@dataclass
+class ToolSteps:
+    """llama-speculative-simple's steps, read from its debug log: per verify the drafted tokens, how
+    many the target accepted and its own next token; and the tool's totals."""
+    drafts: list[list[int]]
+    accepted: list[int]
+    last: list[int]
+    n_drafted: int
+    n_accept: int
+    log: str
+
+    def sequence(self, prompt: list[int]) -> tuple[list[int], list[int]]:
+        """The tokens the run decoded (prompt first) and each step's anchor position: the tool's first
+        step drafts from the prompt's last token, every later one from the token the step before added."""
+        seq, anchors = list(prompt), []
+        for drafted, n, last in zip(self.drafts, self.accepted, self.last):
+            anchors.append(len(seq) - 1)
+            seq += drafted[:n] + [last]
+        return seq, anchors
+
+
+def tool_steps(target, draft, spec_type: str | None = "draft-dspark", n_predict: int = 12,
+               n_max: int | None = DSPARK_DRAFT["block_size"], extra: Sequence[str] = ()) -> ToolSteps:
+    """Run llama-speculative-simple (greedy, -fa off, -lv 5) and read every step's drafted tokens.
+    spec_type None: no --spec-type, so the tool picks one from the draft file as it does by default.
+    n_max: the trained block by default (the tool clamps it to what its layout drafts): its default 3
+    would run a shorter block than the published model's (U5)."""
+    from dflash_llama import peers
+
+    cmd = peers.speculative_command(target, PROMPT, n_predict, spec_type or "draft-dflash", draft=draft, n_max=n_max,
+                                    threads=1, n_ctx=256, extra_args=["-lv", "5", *extra])
+    if spec_type is None:
+        i = cmd.index("--spec-type")
+        del cmd[i:i + 2]
+    r = peers.run_tool(cmd)
+    if r.returncode != 0:
+        raise RuntimeError(f"llama-speculative-simple exited with {r.returncode}: {_last(r, 'error')}")
+    drafts, accepted, last, current = [], [], [], []
+    for line in r.stderr.splitlines():
+        if m := _DRAFT_CANDIDATE.search(line):
+            current.append(int(m.group(1)))
+        elif m := _ACCEPTED.search(line):
+            n, n_sent, tok = (int(g) for g in m.groups())
+            drafts.append(current[:n_sent])  # near -n the tool truncates the draft it sends
+            accepted.append(n)
+            last.append(tok)
+            current = []
+    res = peers.parse_speculative(r.stdout, r.stderr, PROMPT, n_predict)
+    return ToolSteps(drafts, accepted, last, res.n_drafted, res.n_accept, r.stderr)
+
+
+def reference_drafts(target, draft_hf, steps: ToolSteps, markov: bool = True) -> list[list[int]]:
+    """What the published model (our PyTorch reference on the checkpoint) drafts at each of the tool's
+    steps: the same anchors, the context's target features captured by llama.cpp (our runtime's
+    capture, no draft), its whole trained block, greedy Markov chain (markov False: without the Markov
+    bias, what a graph that skips it drafts)."""
+    import torch
+
+    import dflash_llama
+    from dflash_llama.reference.checkpoint import load_draft
+    from dflash_llama.reference.gguf_tensors import target_weights_from_gguf
+
+    torch.set_num_threads(1)
+    tw = target_weights_from_gguf(target)
+    ref = load_draft(draft_hf, tw.embed_tokens, tw.lm_head)
+    if not markov:
+        ref.markov_head = ref.confidence_head = None
+    rt = dflash_llama.Runtime(target, None, n_threads=1, n_ctx=256)
+    seq, anchors = steps.sequence(rt.tokenize(PROMPT))
+    feats = torch.from_numpy(rt.capture(seq, ref.target_layer_ids))
+    block = [ref.mask_token_id] * ref.block_size
+    with torch.inference_mode():
+        return [ref.draft_chain(feats[:t], [seq[t]] + block[1:], t).tokens.tolist() for t in anchors]
+
+
+def agreement(got: list[list[int]], want: list[list[int]], shift: int = 0) -> tuple[int, int]:
+    """(positions where got[s][i] == want[s][i + shift], positions compared) over all steps."""
+    pairs = [(a, b) for g, w in zip(got, want) for a, b in zip(g, w[shift:])]
+    return sum(a == b for a, b in pairs), len(pairs)
+
+
+def tau_if_reference_exact(got: list[list[int]], want: list[list[int]]) -> float:
+    """Mean tokens per verify were the reference's drafts the target's text: 1 + the prefix of `got`
+    that the reference drafted (as U10 measures it)."""
+    return sum(1 + prefix_match(g, w) for g, w in zip(got, want)) / len(got)
+
+
+def dspark_fixture(name: str, **draft) -> tuple[Path, Path, Path, Path]:
+    """(target HF dir, target GGUF, DeepSpec-format draft dir, our converter's f32 GGUF)."""
+    return tiny_fixture(name, **{**DSPARK_DRAFT, **draft})
+
+
+def pinned_conversion(draft_dir: Path, target_hf: Path, out: Path) -> Path:
+    from dflash_llama import fixtures
+
+    fixtures.run_pinned_converter([str(draft_dir), "--target-model-dir", str(target_hf), "--outfile", str(out),
+                                   "--outtype", "f32"])
+    return out
+
+
+def u12_dspark_own_head_dropped() -> bool:
+    """U12: the pinned converter drops a DeepSpec DSpark draft's lm_head (full vocabulary) and keeps its
+    embeddings as token_embd, which the loader then takes for the head: for an untied target (Qwen3-8B,
+    14B) the draft proposes from the wrong matrix."""
+    from dflash_llama import gguf_info
+
+    target_hf, target, hf, ours = dspark_fixture("u12", seed=61)
+    with tempfile.TemporaryDirectory() as tmp:
+        pinned = pinned_conversion(hf, target_hf, Path(tmp) / "pinned.gguf")
+        names = {t.name for t in gguf_info(pinned).tensors}
+        on_pinned = tool_steps(target, pinned)
+    on_ours = tool_steps(target, ours)
+    want = reference_drafts(target, hf, on_ours)
+    a_pin = agreement(on_pinned.drafts, reference_drafts(target, hf, on_pinned))
+    a_ours = agreement(on_ours.drafts, want)
+    print(f"U12: DeepSpec DSpark draft, untied tiny target: pinned convert_hf_to_gguf.py wrote token_embd.weight "
+          f"{'token_embd.weight' in names}, output.weight {'output.weight' in names}; draft-dspark drafts equal to "
+          f"the reference's: pinned GGUF {a_pin[0]}/{a_pin[1]}, ours {a_ours[0]}/{a_ours[1]}")
+    return "output.weight" not in names and "token_embd.weight" in names and a_pin[0] < a_pin[1] and \
+        a_ours[0] == a_ours[1]
+
+
+def u13_speculators_layout_guessed() -> bool:
+    """U13: a speculators DSpark checkpoint without sample_from_anchor (speculators' default: true,
+    anchor-first) gets dflash.sample_from_anchor = false from the pinned converter, which guesses the
+    layout from the config's shape: llama.cpp then drafts in DFlash's layout, one slot later."""
+    import json
+
+    from dflash_llama import fixtures, gguf_info
+    from dflash_llama.converter import convert
+
+    target_hf, target, hf, _ = dspark_fixture("u13", seed=62)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = fixtures.dspark_draft_as(Path(tmp) / "spec", hf, "speculators")
+        config = json.loads((spec / "config.json").read_text())
+        del config["sample_from_anchor"]
+        # the two defaults speculators' diff leaves out and the pinned converter then never writes (U17)
+        config["transformer_layer_config"].update(SPECULATORS_DEFAULTS)
+        (spec / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        pinned = pinned_conversion(spec, target_hf, Path(tmp) / "pinned.gguf")
+        ours = convert(spec, target, Path(tmp) / "ours.gguf", "f32")
+        keys = [gguf_info(p).get("dflash.sample_from_anchor") for p in (pinned, ours)]
+        on_pinned, on_ours = tool_steps(target, pinned), tool_steps(target, ours)
+    want_p, want_o = reference_drafts(target, hf, on_pinned), reference_drafts(target, hf, on_ours)
+    a_pin, a_ours = agreement(on_pinned.drafts, want_p), agreement(on_ours.drafts, want_o)
+    print(f"U13: speculators DSpark draft without sample_from_anchor: dflash.sample_from_anchor pinned {keys[0]}, "
+          f"ours {keys[1]}; draft-dspark drafts equal to the anchor-first reference's: pinned GGUF {a_pin[0]}/"
+          f"{a_pin[1]} ({max(map(len, on_pinned.drafts))} a step), ours {a_ours[0]}/{a_ours[1]} "
+          f"({max(map(len, on_ours.drafts))} a step); tau were the reference's drafts the target's: "
+          f"{tau_if_reference_exact(on_pinned.drafts, want_p):.2f} vs "
+          f"{tau_if_reference_exact(on_ours.drafts, want_o):.2f}")
+    return keys[0] is False and a_pin[0] < a_pin[1]
+
+
+def u14_anchor_first_dflash_as_draft_dflash() -> bool:
+    """U14: DeepSpec's anchor-first "DFlash" drafts (Qwen3DSparkModel, markov_rank 0) carry no markov_w1,
+    so llama.cpp picks draft-dflash for them, which ignores dflash.sample_from_anchor: it reads block
+    positions 1.. as the drafts for anchor + 1.., each one slot later than the draft was trained for."""
+    from dflash_llama import gguf_info
+
+    target_hf, target, hf, ours = dspark_fixture("u14", markov_rank=0, seed=63)
+    with tempfile.TemporaryDirectory() as tmp:
+        pinned = gguf_info(pinned_conversion(hf, target_hf, Path(tmp) / "pinned.gguf"))
+    key, markov = pinned.get("dflash.sample_from_anchor"), "markov_w1.weight" in {t.name for t in pinned.tensors}
+    auto = tool_steps(target, ours, spec_type=None)  # our GGUF: the same keys, the target's head (not U12's)
+    detected = "auto-detected speculative type 'draft-dflash'" in auto.log
+    dspark = tool_steps(target, ours, spec_type="draft-dspark")
+    want_a, want_d = reference_drafts(target, hf, auto), reference_drafts(target, hf, dspark)
+    same, shifted, explicit = agreement(auto.drafts, want_a), agreement(auto.drafts, want_a, 1), \
+        agreement(dspark.drafts, want_d)
+    print(f"U14: DeepSpec anchor-first DFlash draft (block {DSPARK_DRAFT['block_size']}): pinned converter wrote "
+          f"sample_from_anchor {key}, markov_w1 {markov}; with no --spec-type the tool auto-detects draft-dflash: "
+          f"{detected}; its drafts equal the reference's at the same slot {same[0]}/{same[1]}, at the next slot "
+          f"{shifted[0]}/{shifted[1]}; --spec-type draft-dspark: {explicit[0]}/{explicit[1]}; tau were the "
+          f"reference's drafts the target's: {tau_if_reference_exact(auto.drafts, want_a):.2f} (draft-dflash) vs "
+          f"{tau_if_reference_exact(dspark.drafts, want_d):.2f} (draft-dspark)")
+    return key is True and not markov and detected and same[0] < same[1] and shifted[0] == shifted[1]
+
+
+def u15_specforge_markov_type_unread() -> bool:
+    """U15: the pinned converter checks markov_head_type at the top level of config.json only; SpecForge
+    writes it in dflash_config, so a SpecForge draft with a gated Markov head is not refused as one."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dflash_llama import fixtures
+
+    target_hf, _, hf, _ = dspark_fixture("u15", seed=64)
+    with tempfile.TemporaryDirectory() as tmp:
+        sf = fixtures.dspark_draft_as(Path(tmp) / "specforge", hf, "specforge")
+        config = json.loads((sf / "config.json").read_text())
+        config["dflash_config"]["markov_head_type"] = "gated"
+        (sf / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        errors = {}
+        for what in ("config", "tensors"):
+            if what == "tensors":  # a gated head's gate over [hidden ; markov_w1 row] (speculators' names)
+                tensors = load_file(sf / "model.safetensors")
+                r, h = tensors["markov_head.markov_w1.weight"].shape[1], config["hidden_size"]
+                tensors.update({"markov_head.gate_proj.weight": torch.zeros(r, h + r), "markov_head.gate_proj.bias":
+                                torch.zeros(r)})
+                save_file(tensors, str(sf / "model.safetensors"))
+            try:
+                pinned_conversion(sf, target_hf, Path(tmp) / f"{what}.gguf")
+                errors[what] = None
+            except RuntimeError as e:
+                errors[what] = str(e).strip().splitlines()[-1]
+        deepspec = json.loads((hf / "config.json").read_text())
+        ds = Path(tmp) / "deepspec"
+        ds.mkdir()
+        (ds / "config.json").write_text(json.dumps({**deepspec, "markov_head_type": "gated"}))
+        (ds / "model.safetensors").symlink_to(hf / "model.safetensors")
+        try:
+            pinned_conversion(ds, target_hf, Path(tmp) / "deepspec.gguf")
+            top = None
+        except RuntimeError as e:
+            top = str(e).strip().splitlines()[-1]
+    show = lambda e: "wrote a GGUF" if e is None else f"failed: {e}"  # noqa: E731
+    print(f"U15: markov_head_type 'gated' in SpecForge's dflash_config: pinned convert_hf_to_gguf.py "
+          f"{show(errors['config'])}; with a gated head's gate_proj tensors: {show(errors['tensors'])}; the same "
+          f"key at DeepSpec's top level: {show(top)}")
+    return errors["config"] is None and top is not None and "markov_head_type" in top
+
+
+def u16_conf_min_flag() -> bool:
+    """U16: the pinned docs/speculative.md tells DSpark users to cut drafts with --spec-draft-conf-min,
+    a flag the tools do not have; the confidence threshold is --spec-draft-p-min."""
+    from dflash_llama import peers
+    from dflash_llama.patchbuild import ROOT
+
+    doc = (ROOT / "third_party" / "llama.cpp" / "docs" / "speculative.md").read_text()  # the pinned tree's docs
+    _, target, _, draft = dspark_fixture("u12", seed=61)
+    base = peers.speculative_command(target, PROMPT, 4, "draft-dspark", draft=draft, threads=1, n_ctx=256)
+    named = peers.run_tool(base + ["--spec-draft-conf-min", "0.5"])
+    p_min, none = tool_steps(target, draft, extra=["--spec-draft-p-min", "0.5"]), tool_steps(target, draft)
+    print(f"U16: docs/speculative.md names --spec-draft-conf-min: {'--spec-draft-conf-min' in doc}; "
+          f"llama-speculative-simple --spec-draft-conf-min 0.5: exit code {named.returncode}: "
+          f"{_last(named, 'invalid argument')}; --spec-draft-p-min 0.5: {p_min.n_drafted} tokens drafted, "
+          f"{none.n_drafted} without it (the confidence head's cut)")
+    return "--spec-draft-conf-min" in doc and named.returncode != 0 and "invalid argument" in named.stderr
+
+
+def u17_speculators_dspark_defaults() -> bool:
+    """U17: speculators saves the draft's Qwen3 settings (`transformer_layer_config`) as a diff against
+    Qwen3Config's defaults; the pinned converter flattens that diff without the defaults, so a draft
+    whose rms_norm_eps is the default (1e-6, as Qwen3's) gets no dflash.attention.layer_norm_rms_epsilon
+    and llama.cpp refuses to load it."""
+    from dflash_llama import fixtures, gguf_info, peers
+    from dflash_llama.converter import convert
+
+    target_hf, target, hf, _ = dspark_fixture("u13", seed=62)
+    key = "dflash.attention.layer_norm_rms_epsilon"
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = fixtures.dspark_draft_as(Path(tmp) / "spec", hf, "speculators")
+        pinned = pinned_conversion(spec, target_hf, Path(tmp) / "pinned.gguf")
+        ours = convert(spec, target, Path(tmp) / "ours.gguf", "f32")
+        written = [gguf_info(p).get(key) for p in (pinned, ours)]
+        r = peers.run_tool(peers.speculative_command(target, PROMPT, 4, "draft-dspark", draft=pinned, threads=1,
+                                                     n_ctx=256))
+        ok = tool_steps(target, ours, n_predict=4).n_drafted
+    print(f"U17: speculators DSpark draft, rms_norm_eps at Qwen3Config's default (left out of the config's diff): "
+          f"{key} pinned {written[0]}, ours {written[1]:.1e}; llama-speculative-simple on the pinned GGUF: exit code "
+          f"{r.returncode}: {_missing_key(r.stderr)}; on ours: {ok} tokens drafted")
+    return written[0] is None and r.returncode != 0 and "key not found" in r.stderr
+
+
+def _missing_key(log: str) -> str:
+    m = re.search(r"key not found in model: \S+", log)
+    return m.group(0) if m else (log.strip().splitlines() or ["ok"])[-1]
+
+
+# --- suspected, refuted by a run: not findings (docs/variants.md) -------------------------------------
+
+def s5_markov_bias_skipped() -> bool:
+    """Suspected: build_dspark_markov_head returns without the Markov bias when a block is longer than
+    dflash.block_size, and chains by argmax whatever the sampler. Checked through the tool: asked for twice
+    the block (--spec-draft-n-max 12) draft-dspark clamps to it and drafts the reference's biased chain; at
+    --temp 0.8 it still drafts the argmax chain (its draft sampler takes the top candidate), so the
+    graph's argmax chain conditions each slot on the token the loop drafts. True if either diverges."""
+    target_hf, target, hf, gguf = dspark_fixture("u12", seed=61)
+    long = tool_steps(target, gguf, n_max=2 * DSPARK_DRAFT["block_size"])
+    clamped = "clamping to" in long.log
+    biased = agreement(long.drafts, reference_drafts(target, hf, long))
+    unbiased = agreement(long.drafts, reference_drafts(target, hf, long, markov=False))
+    hot = tool_steps(target, gguf, extra=["--temp", "0.8", "--seed", "3"])
+    chain = agreement(hot.drafts, reference_drafts(target, hf, hot))
+    print(f"S5: --spec-draft-n-max {2 * DSPARK_DRAFT['block_size']} on a block-{DSPARK_DRAFT['block_size']} "
+          f"DSpark draft: clamped {clamped}, {max(map(len, long.drafts))} drafts a step, equal to the reference's "
+          f"Markov chain {biased[0]}/{biased[1]}, to its unbiased drafts {unbiased[0]}/{unbiased[1]}; --temp 0.8: "
+          f"drafts equal to the reference's greedy chain on the sampled path {chain[0]}/{chain[1]}")
+    return not clamped or biased[0] < biased[1] or chain[0] < chain[1]
+
+
+REFUTED = {"S5": s5_markov_bias_skipped}
+
+
+FINDINGS.update({"U12": u12_dspark_own_head_dropped, "U13": u13_speculators_layout_guessed,
+                 "U14": u14_anchor_first_dflash_as_draft_dflash, "U15": u15_specforge_markov_type_unread,
+                 "U16": u16_conf_min_flag, "U17": u17_speculators_dspark_defaults})
 
 
 if __name__ == "__main__":

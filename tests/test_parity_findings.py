@@ -58,7 +58,8 @@ def test_main_counts_and_refuses_unknown(capsys):
     assert findings.main(["U4", "U5"]) == 2
     assert capsys.readouterr().out.count("REPRODUCED") == 2
     assert findings.main(["U99"]) == 255
-    assert "unknown finding(s) U99; known: U1, U2, U3, U4, U5, U7, U9, U10, U11" in capsys.readouterr().err
+    assert "unknown finding(s) U99; known: U1, U2, U3, U4, U5, U7, U9, U10, U11, U12, U13, U14, U15, U16, U17" in \
+        capsys.readouterr().err
 
 
 def test_u5_patch_applies_to_the_pinned_tree():
@@ -75,3 +76,74 @@ def test_u5_patch_applies_to_the_pinned_tree():
     assert r.stdout.strip().splitlines() == ["checking file common/speculative.cpp",
                                              "checking file src/models/dflash.cpp",
                                              "Hunk #1 succeeded at 799 (offset -3 lines)."]
+
+
+# --- DSpark drafts (docs/variants.md, "The pinned llama.cpp's converter and loop") ---------------------
+
+
+def test_u12_pinned_converter_takes_the_embeddings_for_the_head(capsys):
+    assert findings.u12_dspark_own_head_dropped()
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "U12: DeepSpec DSpark draft, untied tiny target: pinned convert_hf_to_gguf.py wrote token_embd.weight True, "
+        "output.weight False; draft-dspark drafts equal to the reference's: pinned GGUF 0/63, ours 63/63")
+
+
+def test_u13_speculators_draft_without_the_key_drafts_in_dflash_layout(capsys):
+    assert findings.u13_speculators_layout_guessed()
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "U13: speculators DSpark draft without sample_from_anchor: dflash.sample_from_anchor pinned False, ours True; "
+        "draft-dspark drafts equal to the anchor-first reference's: pinned GGUF 4/55 (5 a step), ours 63/63 "
+        "(6 a step); tau were the reference's drafts the target's: 1.08 vs 5.85")
+
+
+def test_u14_anchor_first_dflash_drafts_one_slot_late(capsys):
+    assert findings.u14_anchor_first_dflash_as_draft_dflash()
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "U14: DeepSpec anchor-first DFlash draft (block 6): pinned converter wrote sample_from_anchor True, "
+        "markov_w1 False; with no --spec-type the tool auto-detects draft-dflash: True; its drafts equal the "
+        "reference's at the same slot 28/55, at the next slot 55/55; --spec-type draft-dspark: 63/63; tau were the "
+        "reference's drafts the target's: 1.00 (draft-dflash) vs 5.85 (draft-dspark)")
+
+
+def test_u15_specforge_gated_head_not_refused_as_one(capsys):
+    assert findings.u15_specforge_markov_type_unread()
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "U15: markov_head_type 'gated' in SpecForge's dflash_config: pinned convert_hf_to_gguf.py wrote a GGUF; "
+        "with a gated head's gate_proj tensors: failed: ValueError: Can not map tensor "
+        "'model.markov_head.gate_proj.bias'; the same key at DeepSpec's top level: failed: ValueError: unsupported "
+        "markov_head_type 'gated' (only 'vanilla' is supported)")
+
+
+def test_u16_documented_conf_min_flag_does_not_exist(capsys):
+    assert findings.u16_conf_min_flag()
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "U16: docs/speculative.md names --spec-draft-conf-min: True; llama-speculative-simple --spec-draft-conf-min "
+        "0.5: exit code 1: error: invalid argument: --spec-draft-conf-min; --spec-draft-p-min 0.5: 33 tokens "
+        "drafted, 63 without it (the confidence head's cut)")
+
+
+def test_u17_speculators_dspark_gguf_misses_the_norm_epsilon(capsys):
+    assert findings.u17_speculators_dspark_defaults()
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "U17: speculators DSpark draft, rms_norm_eps at Qwen3Config's default (left out of the config's diff): "
+        "dflash.attention.layer_norm_rms_epsilon pinned None, ours 1.0e-06; llama-speculative-simple on the pinned "
+        "GGUF: exit code 1: key not found in model: dflash.attention.layer_norm_rms_epsilon; on ours: 18 tokens "
+        "drafted")
+
+
+def test_s5_markov_bias_applied_at_every_block_the_loop_runs(capsys):
+    """Refuted (docs/variants.md): the loop clamps a longer draft to the trained block, and drafts the argmax
+    chain at any temperature; the check fails once either stops holding."""
+    assert not findings.s5_markov_bias_skipped()
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "S5: --spec-draft-n-max 12 on a block-6 DSpark draft: clamped True, 6 drafts a step, equal to the "
+        "reference's Markov chain 63/63, to its unbiased drafts 17/63; --temp 0.8: drafts equal to the reference's "
+        "greedy chain on the sampled path 63/63")
+
+
+def test_tool_steps_reads_each_verify():
+    """The debug-log reader: the tool's own totals are the sums of the steps it read."""
+    _, target, _, draft = findings.dspark_fixture("u12", seed=61)
+    steps = findings.tool_steps(target, draft, n_predict=8)
+    assert sum(map(len, steps.drafts)) == steps.n_drafted and sum(steps.accepted) == steps.n_accept
+    assert len(steps.drafts) == len(steps.last) >= 8 and max(map(len, steps.drafts)) == 6
