@@ -147,3 +147,60 @@ def test_tool_steps_reads_each_verify():
     steps = findings.tool_steps(target, draft, n_predict=8)
     assert sum(map(len, steps.drafts)) == steps.n_drafted and sum(steps.accepted) == steps.n_accept
     assert len(steps.drafts) == len(steps.last) >= 8 and max(map(len, steps.drafts)) == 6
+
+
+def test_dspark_converter_patch_fixes_u13_u15_u17(tmp_path):
+    """patches/u13-u15-u17-dspark-converter.patch (not in patches/series yet) on a copy of the pinned
+    converter: a key-less speculators draft converts anchor-first with its norm epsilon and drafts as the
+    reference does; SpecForge's gated Markov head is refused as one."""
+    import json
+    import shutil
+    import subprocess
+
+    from dflash_llama import fixtures, gguf_info
+    from dflash_llama.parity import patched
+
+    tree, work = patched.ROOT / "third_party" / "llama.cpp", tmp_path / "llama.cpp"
+    work.mkdir()
+    shutil.copy(tree / "convert_hf_to_gguf.py", work)
+    for folder in ("conversion", "gguf-py"):
+        shutil.copytree(tree / folder, work / folder)
+    r = subprocess.run(["patch", "-p1", "--forward", "-d", str(work), "-i",
+                        str(patched.PATCHES / "u13-u15-u17-dspark-converter.patch")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    target_hf, target, hf, _ = findings.dspark_fixture("u13", seed=62)
+    spec = fixtures.dspark_draft_as(tmp_path / "spec", hf, "speculators")
+    config = json.loads((spec / "config.json").read_text())
+    del config["sample_from_anchor"]
+    (spec / "config.json").write_text(json.dumps(config))
+
+    def convert(src, out):
+        fixtures.run_pinned_converter([str(src), "--target-model-dir", str(target_hf), "--outfile", str(out),
+                                       "--outtype", "f32"], script=work / "convert_hf_to_gguf.py")
+        return out
+
+    info = gguf_info(convert(spec, tmp_path / "spec.gguf"))
+    assert info.get("dflash.sample_from_anchor") is True
+    assert info.get("dflash.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6)
+    steps = findings.tool_steps(target, tmp_path / "spec.gguf")
+    assert findings.agreement(steps.drafts, findings.reference_drafts(target, hf, steps)) == (63, 63)
+
+    sf = fixtures.dspark_draft_as(tmp_path / "specforge", hf, "specforge")
+    config = json.loads((sf / "config.json").read_text())
+    config["dflash_config"]["markov_head_type"] = "gated"
+    (sf / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RuntimeError, match=r"unsupported markov_head_type 'gated' \(only 'vanilla' is supported\)"):
+        convert(sf, tmp_path / "gated.gguf")
+
+
+def test_u16_docs_patch_applies_to_the_pinned_tree():
+    import subprocess
+
+    from dflash_llama.parity import patched
+
+    patch = patched.PATCHES / "u16-dspark-docs-p-min.patch"
+    assert patched.touched_files(patch) == ["docs/speculative.md"]
+    r = subprocess.run(["patch", "-p1", "--dry-run", "--forward", "-d", str(patched.ROOT / "third_party" / "llama.cpp"),
+                        "-i", str(patch)], capture_output=True, text=True)
+    assert (r.returncode, r.stdout.strip()) == (0, "checking file docs/speculative.md"), r.stdout + r.stderr
