@@ -87,19 +87,24 @@ def speed_by_block_size(res: dict, path: Path) -> Path:
             v = summ[key]["tokens_per_second"]
             return v / base if speedup else v
 
-        for impl, stock, color, ls, name in (("dflash-llama", False, OURS, "-", "dflash-llama DFlash"),
-                                             ("llama.cpp", False, NATIVE, "-", "llama.cpp native DFlash"),
-                                             ("llama.cpp", True, NATIVE, "--",
-                                              "llama.cpp native DFlash, stock build")):
+        for impl, stock, chain, color, ls, name in (
+                ("dflash-llama", False, False, OURS, "-", "dflash-llama DFlash"),
+                ("llama.cpp", False, False, NATIVE, "-", "llama.cpp native DFlash"),
+                ("llama.cpp", True, False, NATIVE, "--", "llama.cpp native DFlash, stock build"),
+                ("llama.cpp", False, True, "teal", "-.", "llama.cpp chain ngram-mod,draft-dflash")):
             pts = sorted((m["block_size"], y(m["key"])) for m in ms
                          if m["impl"] == impl and m["kind"] == "dflash" and m["draft_max"] is None
-                         and not m.get("adaptive") and bool(m.get("stock")) == stock)
+                         and not m.get("adaptive") and bool(m.get("stock")) == stock
+                         and bool(m.get("chain")) == chain)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color, ls=ls, label=name)
         for m in ms:
             if m.get("adaptive"):
-                ax.plot([m["block_size"]], [y(m["key"])], marker="D", ms=10, color="crimson", ls="none",
-                        label=f"dflash-llama B={m['block_size']}, adaptive (--draft-max auto)")
+                off = m.get("ngram") is False
+                ax.plot([m["block_size"]], [y(m["key"])], marker="d" if off else "D", ms=10,
+                        color="salmon" if off else "crimson", ls="none",
+                        label=f"dflash-llama B={m['block_size']}, adaptive (--draft-max auto"
+                              f"{', --ngram off' if off else ''})")
             elif m["auto"] or (m["impl"] == "dflash-llama" and m["kind"] == "dflash" and m["draft_max"] is not None):
                 ax.plot([m["block_size"]], [y(m["key"])], marker="*", ms=14, color=OURS, ls="none",
                         label=f"dflash-llama B={m['block_size']}, N={m['draft_max']}"

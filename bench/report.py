@@ -230,13 +230,16 @@ def render(res: dict, command: str, plots: list[str]) -> str:
             "plain mode it re-probes drafting after 16, 64, 256 plain steps (once at the start of each later "
             "generation, then as rarely as the last one left off), greedy with an unverified draft that the plain "
             "steps after it score (`runtime/draft_policy.h`).\n")
-        add("| method | plain steps | drafting steps | re-probes | mean N when drafting | vs our autoregressive "
-            "| median/prompt |")
-        add("|---|---:|---:|---:|---:|---:|---:|")
+        add("With its n-gram source (the default) a step may instead verify a continuation of the text so far "
+            "found earlier in it (no draft forward), when that is expected to be faster (`runtime/ngram.h`).\n")
+        add("| method | plain steps | drafting steps | n-gram steps (tokens accepted / verified) | re-probes "
+            "| mean N when drafting | vs our autoregressive | median/prompt |")
+        add("|---|---:|---:|---:|---:|---:|---:|---:|")
         for it in adaptive:
             pol = it["policy"]
             add(f"| {it['label']} | {pol['plain_steps']} ({_f(None if pol['plain_share'] is None else 100 * pol['plain_share'], 0, '%')}) | "
-                f"{pol['draft_steps']} | {pol['probes']} | {_f(pol['mean_draft'], 2)} | "
+                f"{pol['draft_steps']} | {pol['ngram_steps']} ({pol['ngram_accepted']} / {pol['ngram_drafted']}) | "
+                f"{pol['probes']} | {_f(pol['mean_draft'], 2)} | "
                 f"{_f(it['speedup_vs_runtime-ar'], 3, 'x')} | {_f(it['median_prompt_speedup_vs_runtime-ar'], 3, 'x')} |")
         add("")
         line = loop_costs_line(cm.get("loop_step_costs"))

@@ -9,7 +9,11 @@ Methods (each a row per prompt):
 - `runtime-b{K}`: our DFlash runtime with verify blocks of K tokens (K-1 drafted);
 - `runtime-b{B}-n{N}`: the draft's trained block B verifying only N drafted tokens (the cost
   model's pick with `--draft-max auto`);
+- `runtime-auto`: our adaptive loop (`--draft-max auto`, the default) with its n-gram source, and
+  `runtime-auto-no-ngram` without it (`--ngram off`);
 - `native-b{K}`: llama.cpp's native DFlash, `--spec-draft-n-max K-1` (its block is n_max+1);
+- `chain-b{K}` (with `ngram-mod` among the n-gram types): llama.cpp's chained drafters,
+  `--spec-type ngram-mod,draft-dflash` (the first that proposes wins) at `--spec-draft-n-max K-1`;
 - `stock-b{K}`, `stock-spec-ar` (`--stock-build`): the same from a stock build of the pin (ggml-cpu
   with llamafile's sgemm, as llama.cpp builds it by default: `dflash_llama.toolbuild.stock_tool`);
 - `ngram-*`: llama.cpp's n-gram speculation, draft-free, with the tool's default settings.
@@ -36,6 +40,7 @@ from dflash_llama.results import first_mismatch
 from . import cost_model
 
 SCHEMA = "dflash-llama-bench/1"
+CHAINED_NGRAM = "ngram-mod"  # the n-gram drafter llama.cpp's chain rows put before draft-dflash
 REPORT_S = 20.0  # plots and report writing, reserved in the time budget
 
 
@@ -55,7 +60,13 @@ class Method:
     spec_type: str | None = None
     auto: bool = False  # the cost model's pick
     adaptive: bool = False  # our runtime's adaptive loop (draft_max="auto"): N chosen step by step
+    ngram: bool | None = None  # the adaptive loop's n-gram source (None: its default, on)
     stock: bool = False  # llama.cpp's tool from a stock build of the pin (llamafile's sgemm on)
+
+    @property
+    def chain(self) -> bool:
+        """llama.cpp's chained drafters (an n-gram type, then draft-dflash)."""
+        return self.spec_type is not None and "," in self.spec_type
 
     @property
     def n_draft(self) -> int | None:
@@ -77,7 +88,9 @@ class Method:
             return f"llama.cpp {self.spec_type}"
         who = "dflash-llama" if self.impl == "dflash-llama" else "llama.cpp native"
         if self.adaptive:
-            return f"{who} DFlash B={self.block_size}, adaptive"
+            return f"{who} DFlash B={self.block_size}, adaptive{', no n-gram' if self.ngram is False else ''}"
+        if self.chain:
+            return f"llama.cpp chain {self.spec_type} B={self.block_size}"
         n = f", N={self.draft_max}" if self.draft_max is not None else ""
         build = ", stock build" if self.stock else ""
         return f"{who} DFlash B={self.block_size}{n}{' (auto)' if self.auto else ''}{build}"
@@ -124,6 +137,8 @@ def plan_methods(s: Settings, block_size: int, pick: int | None) -> list[Method]
     for k in s.block_sizes:
         methods.append(Method(f"runtime-b{k}", "dflash-llama", "dflash", block_size=k))
     methods.append(Method("runtime-auto", "dflash-llama", "dflash", block_size=block_size, adaptive=True))
+    methods.append(Method("runtime-auto-no-ngram", "dflash-llama", "dflash", block_size=block_size, adaptive=True,
+                          ngram=False))
     if pick is not None and not (pick == block_size - 1 and block_size in s.block_sizes):
         methods.append(Method(f"runtime-b{block_size}-n{pick}", "dflash-llama", "dflash", block_size=block_size,
                               draft_max=pick, auto=s.draft_max == "auto"))
@@ -137,6 +152,9 @@ def plan_methods(s: Settings, block_size: int, pick: int | None) -> list[Method]
                     for k in native_sizes]
     for t in s.ngram_types:
         methods.append(Method(t, "llama.cpp", "ngram", spec_type=t))
+    if s.native and CHAINED_NGRAM in s.ngram_types:
+        methods += [Method(f"chain-b{k}", "llama.cpp", "dflash", block_size=k,
+                           spec_type=f"{CHAINED_NGRAM},draft-dflash") for k in native_sizes]
     return methods
 
 
@@ -283,7 +301,7 @@ class Bench:
             row["_tokens"], row["_text"] = g.tokens, g.text
         elif m.impl == "dflash-llama":
             g = self.rt.generate(toks, s.n_predict, block_size=m.block_size,
-                                 draft_max="auto" if m.adaptive else m.draft_max)
+                                 draft_max="auto" if m.adaptive else m.draft_max, ngram=m.ngram)
             row = _runtime_row(m, g)
             row["_tokens"], row["_text"] = g.tokens, g.text
         elif m.key == "llama-completion":
@@ -400,7 +418,7 @@ class Bench:
     # -- everything -----------------------------------------------------------------------------
     def server_n_max(self, rows: list[dict], methods: list[Method]) -> int:
         """The server runs native DFlash at its fastest n_max of this run (else the cost model's pick)."""
-        native = [m for m in methods if m.impl == "llama.cpp" and m.kind == "dflash" and not m.stock]
+        native = [m for m in methods if m.impl == "llama.cpp" and m.kind == "dflash" and not m.stock and not m.chain]
         if not native:
             return self.pick
         speeds = {m.n_draft: _speed([r for r in rows if r["method"] == m.key]) for m in native}
@@ -412,7 +430,8 @@ class Bench:
         if not self.s.server or not rows:
             return 0.0
         n_max = self.server_n_max(rows, methods)
-        key = next((m.key for m in methods if m.impl == "llama.cpp" and m.kind == "dflash" and m.n_draft == n_max),
+        key = next((m.key for m in methods if m.impl == "llama.cpp" and m.kind == "dflash" and not m.stock
+                    and not m.chain and m.n_draft == n_max),
                    "llama-completion")
         per = [(r["prefill_ms"] or 0) + r["decode_ms"] for r in rows if r["method"] == key]
         n_prompts = len({r["prompt"] for r in rows if r["method"] == key})
@@ -491,7 +510,7 @@ class Bench:
                          "prompts": [{"id": p.id, "n_tokens": len(self.tokens[p.id])} for p in s.prompts
                                      if p.id in texts],
                          "pilot_prompts": [p.id for p in s.pilot]},
-            "methods": [dict(asdict(m), label=m.label, n_draft=m.n_draft) for m in methods],
+            "methods": [dict(asdict(m), label=m.label, n_draft=m.n_draft, chain=m.chain) for m in methods],
             "summary": summary,
             "ratios": ratios(rows, methods, self.block_size),
             "cost_model": cm,
@@ -555,9 +574,13 @@ def _pooled_policy(policies: list[dict]) -> dict | None:
         return None
     plain = sum(p["plain_steps"] for p in policies)
     drafting = sum(p["draft_steps"] for p in policies)
+    ngram = sum(p["ngram_steps"] for p in policies)
     drafted = sum(p["mean_draft"] * p["draft_steps"] for p in policies)
-    return {"plain_steps": plain, "draft_steps": drafting, "probes": sum(p["probes"] for p in policies),
-            "plain_share": plain / (plain + drafting) if plain + drafting else None,
+    ngram_drafted = sum(p["ngram_drafted"] for p in policies)
+    return {"plain_steps": plain, "draft_steps": drafting, "ngram_steps": ngram,
+            "ngram_drafted": ngram_drafted, "ngram_accepted": sum(p["ngram_accepted"] for p in policies),
+            "probes": sum(p["probes"] for p in policies),
+            "plain_share": plain / (plain + drafting + ngram) if plain + drafting + ngram else None,
             "mean_draft": drafted / drafting if drafting else None,
             "median_predicted_tokens_per_second": statistics.median(p["predicted_tokens_per_second"] for p in policies)}
 
@@ -598,9 +621,25 @@ def ratios(rows: list[dict], methods: list[Method], block_size: int) -> list[dic
                             f"{m.label} / the same tool without drafts"))
             if m.stock:
                 out.append(pair(m.key, f"native-b{m.block_size}", f"{m.label} / the same, built like ours"))
+    for stock in (False, True):
+        best = fastest(rows, [m for m in methods if m.impl == "llama.cpp" and m.stock == stock])
+        if best is not None:
+            out.append(pair("runtime-auto", best.key, f"our default loop / the fastest llama.cpp mode"
+                                                      f"{' of the stock build' if stock else ''} ({best.label})"))
     out.append(pair("stock-spec-ar", "llama-spec-ar", "stock build / built like ours, no drafts"))
     out.append(pair("runtime-ar", "llama-completion", "our autoregressive / llama-completion"))
     return [r for r in out if r is not None]
+
+
+def fastest(rows: list[dict], methods: list[Method]) -> Method | None:
+    """The method of the highest speed over all its tokens in `rows` (None: no rows of them)."""
+    speeds = {}
+    for m in methods:
+        rs = [r for r in rows if r["method"] == m.key]
+        ms = sum(r["decode_ms"] for r in rs)
+        if ms > 0:
+            speeds[m] = sum(r["decode_tokens"] for r in rs) / ms
+    return max(speeds, key=speeds.get) if speeds else None
 
 
 def _loadavg() -> list[float] | None:

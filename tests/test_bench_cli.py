@@ -63,7 +63,7 @@ def test_bench_json_schema(bench_run):
     assert {"cpu", "nproc", "started", "wall_s", "command_wall_s", "llama_cpp", "loadavg_start"} <= set(res["meta"])
     for r in res["rows"]:
         keys = set(r)
-        if r["method"] == "runtime-auto":  # the adaptive loop also says what it chose
+        if r["method"].startswith("runtime-auto"):  # the adaptive loop also says what it chose
             assert keys == ROW_KEYS | OUR_SPECULATIVE_KEYS | {"policy"}
         elif r["impl"] == "dflash-llama" and r["kind"] == "dflash":
             assert keys == ROW_KEYS | OUR_SPECULATIVE_KEYS
@@ -94,9 +94,10 @@ def test_methods_and_rows(bench_run):
     keys = [m["key"] for m in res["methods"]]
     pick = res["cost_model"]["pick"]["n_draft"]
     expected = ["runtime-ar", "llama-completion", "llama-spec-ar", "runtime-b2", "runtime-b4", "runtime-b16",
-                "runtime-auto"]
+                "runtime-auto", "runtime-auto-no-ngram"]
     expected += [f"runtime-b8-n{pick}"]  # B=8 is not swept: the pick gets its own row
     expected += ["native-b2", "native-b4", "ngram-simple", "ngram-mod"]  # native B=16 exceeds the trained block
+    expected += ["chain-b2", "chain-b4"]  # llama.cpp's ngram-mod,draft-dflash at the native sizes
     assert keys == expected
     prompts = [p["id"] for p in res["settings"]["prompts"]]
     assert prompts == ["HumanEval/0", "HumanEval/163"]
@@ -124,10 +125,12 @@ def test_methods_and_rows(bench_run):
             assert t["prefill"] + t["draft"] + t["verify"] + t["other"] == pytest.approx(t["total"])
         if r["method"].startswith("native-"):
             assert r["n_drafted"] % r["n_draft"] == 0  # native drafts exactly n_max per step
-        if r["method"] == "runtime-auto":
+        if r["method"].startswith("runtime-auto"):
             pol = r["policy"]
-            assert pol["plain_steps"] + pol["draft_steps"] == r["steps"]
+            assert pol["plain_steps"] + pol["draft_steps"] + pol["ngram_steps"] == r["steps"]
             assert pol["plain_steps"] == r["drafted_per_step"].count(0)
+            if r["method"] == "runtime-auto-no-ngram":
+                assert pol["ngram_steps"] == pol["ngram_drafted"] == 0
             assert max(r["drafted_per_step"]) <= 7 and r["drafted_per_step"][0] == 0  # costs measured: opens plain
 
 
@@ -152,6 +155,12 @@ def test_summary_and_ratios_come_from_the_rows(bench_run):
     assert "our runtime / native DFlash, B=16" not in ratios  # no native B=16 to compare with
     assert ratios["llama.cpp native DFlash B=4 / the same tool without drafts"]["ratio"] == pytest.approx(
         speed("native-b4") / speed("llama-spec-ar"))
+    # our default loop against the fastest llama.cpp mode of the run (plain, native, n-gram, chained)
+    theirs = [m for m in res["methods"] if m["impl"] == "llama.cpp"]
+    best = max(theirs, key=lambda m: speed(m["key"]))
+    assert {m["key"] for m in theirs} >= {"chain-b2", "ngram-mod", "native-b4", "llama-completion"}
+    r = ratios[f"our default loop / the fastest llama.cpp mode ({best['label']})"]
+    assert r["ratio"] == pytest.approx(speed("runtime-auto") / speed(best["key"]))
 
 
 def test_cost_model(bench_run):

@@ -227,7 +227,8 @@ def test_asking_for_more_runs_the_benchmark_too(cache, tiny_target_gguf, tiny_dr
     res = json.loads((out / "bench.json").read_text())
     assert {"summary", "rows", "cost_model", "target_types"} <= set(res) and res["server"] is None
     assert [m["key"] for m in res["methods"]] == ["runtime-ar", "llama-completion", "llama-spec-ar", "runtime-b2",
-                                                  "runtime-auto", f"runtime-b8-n{res['cost_model']['pick']['n_draft']}",
+                                                  "runtime-auto", "runtime-auto-no-ngram",
+                                                  f"runtime-b8-n{res['cost_model']['pick']['n_draft']}",
                                                   "ngram-simple"]
     t = res["target_types"]["by_type"][0]
     assert t["type"] == "F32" and t["requantized"] is False and t["target"] == str(tiny_target_gguf)
