@@ -1,7 +1,7 @@
 """A parity run at a published pair's size, measured on this machine.
 
     python -m dflash_llama.parity.scale --shape qwen3-8b [--type q8_0] [-n 16 --limit 2 -t 2] \\
-        [--out reports/scale/qwen3-8b-q8_0/] [--build-only] [-- PARITY_ARGS...]
+        [--prompt-tokens 64] [--out reports/scale/qwen3-8b-q8_0/] [--build-only] [-- PARITY_ARGS...]
 
 Builds, deterministically and without a network:
 
@@ -246,7 +246,8 @@ def run(built: dict, out: Path, args, extra: list[str]) -> dict:
     exe = Path(sys.executable).with_name("dflash-llama")
     cmd = ["/usr/bin/time", "-v", str(exe), "parity", "-m", built["target"], "-md", built["draft"],
            "--draft-hf", built["draft_hf"], "-n", str(args.n_predict), "--limit", str(args.limit),
-           "-t", str(args.threads), "--out", str(out), "--name", out.name, *extra]
+           "--prompt-tokens", str(args.prompt_tokens), "-t", str(args.threads), "--out", str(out),
+           "--name", out.name, *extra]
     print(" ".join(cmd), flush=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     (out / "parity.log").write_text(proc.stdout + "\n" + "\n".join(
@@ -303,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--n-predict", type=int, default=16)
     p.add_argument("--limit", type=int, default=2)
     p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=64,
+                   help="prompt tokens kept per prompt (default 64: each prompt is decoded about a dozen times "
+                        "by our runtime and llama.cpp, so on a CPU the prompts' length sets much of the time)")
     p.add_argument("--build-only", action="store_true")
     args, extra = p.parse_known_args(argv)
     extra = [x for x in extra if x != "--"]
