@@ -94,6 +94,7 @@ void bind_generate_params(nb::module_ & m) {
         .def_rw("block_size", &generate_params::block_size)
         .def_rw("adaptive", &generate_params::adaptive)
         .def_rw("draft_max", &generate_params::draft_max)
+        .def_rw("draft_p_min", &generate_params::draft_p_min)
         .def_rw("ngram", &generate_params::ngram)
         .def_rw("stop_tokens", &generate_params::stop_tokens)
         .def_rw("stop_at_eog", &generate_params::stop_at_eog);
@@ -268,6 +269,9 @@ void bind_engine(nb::module_ & m) {
         .def_prop_ro("n_layer", [](engine & e) { return e.target().n_layer(); })
         .def_prop_ro("block_size", [](engine & e) { return e.hparams().block_size; })
         .def_prop_ro("draft_variant", [](engine & e) { return std::string(e.hparams().variant().name); })
+        .def_prop_ro("sample_from_anchor", [](engine & e) { return e.hparams().sample_from_anchor; })
+        .def_prop_ro("has_confidence_head", [](engine & e) { return e.hparams().has_confidence_head; })
+        .def_prop_ro("markov_rank", [](engine & e) { return e.hparams().markov_rank; })
         .def_prop_ro("mask_token_id", [](engine & e) { return e.hparams().mask_token_id; })
         .def_prop_ro("target_layer_ids", [](engine & e) { return e.hparams().target_layer_ids; })
         .def("tokenize", [](engine & e, nb::bytes text, bool add_special) {  // bytes: checked as UTF-8 in C++

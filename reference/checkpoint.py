@@ -8,8 +8,8 @@ pinned llama.cpp reads (arch `dflash`), ours or llama.cpp's, any type gguf-py ca
 Both give the same `DFlashDraft`, in float32 by default. What the files mean, and what is
 refused, is `dflash_llama.schema`. A draft uses the target's token embeddings and head, except a
 DSpark-family checkpoint's own copies (DeepSpec's) and a GGUF's own `output.weight`, as llama.cpp
-reads them; a GGUF's own `token_embd.weight` is refused. The reference runs DSpark drafts, which the
-runtime refuses for now (`schema.refusals(runtime=False)`).
+reads them; a GGUF's own `token_embd.weight` is refused. The reference also reads a GGUF's own
+`output.weight` without a d2t, which the runtime refuses (`schema.refusals(runtime=False)`).
 """
 
 from __future__ import annotations

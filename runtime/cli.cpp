@@ -60,6 +60,8 @@ void print_usage(const char * argv0) {
         "                           for the highest expected speed on this machine: nothing (a plain decode),\n"
         "                           N drafted tokens, or an n-gram continuation (--ngram); N: at most N\n"
         "                           drafted tokens, every step (default: auto)\n"
+        "  --draft-p-min P          a draft with a confidence head (DSpark): each draft stops before its first\n"
+        "                           slot whose confidence is below P (default: 0 = never)\n"
         "  --ngram on|off           with --draft-max auto, also verify continuations of the text so far found\n"
         "                           by n-gram lookup (the last 4 down to 2 tokens), no draft forward (default: on)\n"
         "  --draft-head compact|target  the head the draft proposes through: compact, a Q4_0 copy of the\n"
@@ -157,6 +159,7 @@ cli_args parse_args(int argc, char ** argv) {
         else if (flag == "--top-k")      a.gen.sampling.top_k = int32();
         else if (flag == "-s" || flag == "--seed") a.gen.sampling.seed = parse_int<uint64_t>(flag, value());
         else if (flag == "--block-size") a.gen.block_size = int32();
+        else if (flag == "--draft-p-min") a.gen.draft_p_min = parse_float(flag, value());
         else if (flag == "--draft-max")  {
             const char * v = value();
             a.gen.adaptive = std::strcmp(v, "auto") == 0;
@@ -267,6 +270,13 @@ void print_stats(const dflash::generate_result & r, const dflash::draft_hparams 
         if (draft->variant().has(dflash::draft_head::selector)) {
             std::fprintf(stderr, " (convolutions of %d taps, selector of rank %d over the top %d)", draft->conv_kernel_size,
                          draft->selector_rank, draft->selector_top_k);
+        }
+        if (draft->variant().has(dflash::draft_head::markov)) {
+            std::fprintf(stderr, " (Markov head of rank %d%s)", draft->markov_rank,
+                         draft->has_confidence_head ? ", confidence head" : "");
+        }
+        if (draft->sample_from_anchor) {
+            std::fprintf(stderr, ", anchor-first block");
         }
         std::fprintf(stderr, "\n");
     }

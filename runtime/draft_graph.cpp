@@ -361,15 +361,17 @@ void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_
         throw std::invalid_argument("draft block at position " + std::to_string(start) + " but the cache holds " +
                                     std::to_string(n_cached_) + " positions");
     }
-    if (n_block < 2) {
-        throw std::invalid_argument("draft block must hold at least 2 tokens, got " + std::to_string(n_block));
+    const int32_t first = hp.first_draft_slot();  // block position of the first drafted slot
+    if (n_block < first + 1) {
+        throw std::invalid_argument("draft block must hold at least " + std::to_string(first + 1) + " tokens, got " +
+                                    std::to_string(n_block));
     }
     if (n_logits < 0) {
-        n_logits = n_block - 1;
+        n_logits = n_block - first;
     }
-    if (n_logits < 1 || n_logits > n_block - 1) {
+    if (n_logits < 1 || n_logits > n_block - first) {
         throw std::invalid_argument("draft logits for " + std::to_string(n_logits) + " positions of a block of " +
-                                    std::to_string(n_block) + " (1 to " + std::to_string(n_block - 1) + ")");
+                                    std::to_string(n_block) + " (1 to " + std::to_string(n_block - first) + ")");
     }
     if (start + n_block > n_ctx_) {
         throw std::invalid_argument("draft block ends at position " + std::to_string(start + n_block) +
@@ -464,9 +466,9 @@ void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_
     if (g.tracing) {  // llama.cpp's result_output: raw head output of every block position, traced apart
         g.name(ggml_mul_mat(g.ctx, output_, y), "result_output");
     }
-    // block position 0 holds the known last token: only positions 1..n_logits need logits (the head
-    // is the largest matmul of a small draft: skip the rows the loop will not verify)
-    ggml_tensor * y_pred = ggml_view_2d(g.ctx, y, hp.n_embd, n_logits, y->nb[1], y->nb[1]);
+    // only the drafted slots the loop verifies need logits (the head is the largest matmul of a small
+    // draft: skip the other rows); in DFlash's layout block position 0 is the known last token only
+    ggml_tensor * y_pred = ggml_view_2d(g.ctx, y, hp.n_embd, n_logits, y->nb[1], (size_t) first * y->nb[1]);
     ggml_tensor * out = ggml_mul_mat(g.ctx, g.tracing ? output_ : head_, y_pred);
     if (hp.logit_scale != 1.0f) {
         out = ggml_scale(g.ctx, out, hp.logit_scale);
@@ -482,11 +484,19 @@ void draft_runner::forward_block(const int32_t * tokens, int32_t n_block, int32_
         ggml_set_output(gate);
         ggml_build_forward_expand(g.gf, gate);
     }
+    if (draft_.conf_proj != nullptr) {  // DSpark's confidence head reads the slots' result_norm (on the host)
+        ggml_set_output(y);
+        ggml_build_forward_expand(g.gf, y);
+    }
     for (ggml_tensor * t : g.named) {
         ggml_build_forward_expand(g.gf, t);
     }
 
     compute(g, trace);
+    result.hidden.resize(draft_.conf_proj != nullptr ? (size_t) n_logits * hp.n_embd : 0);
+    if (!result.hidden.empty()) {
+        ggml_backend_tensor_get(y, result.hidden.data(), (size_t) first * y->nb[1], result.hidden.size() * sizeof(float));
+    }
     result.logits.resize((size_t) n_logits * n_head_rows_);
     ggml_backend_tensor_get(out, result.logits.data(), 0, result.logits.size() * sizeof(float));
     result.gate.resize(gate != nullptr ? (size_t) ggml_nelements(gate) : 0);

@@ -4,8 +4,9 @@
 //                               V = Wv c, written into the cache at positions pos0..pos0+n-1
 //   forward_block(tokens, start): the block [last token, MASK, ...] at positions start.., its
 //                               queries attending to cache[0, start) and to the whole block,
-//                               final norm, logits for block positions 1..B-1 (or fewer) through the
-//                               target's output head
+//                               final norm, logits for the drafted slots (block positions 1..B-1,
+//                               or 0..B-1 for an anchor-first draft; or fewer) through the target's
+//                               output head
 //
 // A DFlash 2 draft wraps attention and the MLP of every block layer in grouped dynamic causal
 // convolutions (conv(): the input side on the sublayer's normed input, the output side on its
@@ -48,11 +49,14 @@ struct traced_tensor {
 };
 using draft_trace = std::map<std::string, traced_tensor>;
 
-// What a block forward returns for its drafted slots 1..n: logits [n, n_head_rows()] (logit_scale and
-// the soft-cap applied) and, for a DFlash 2 draft, the selector's gate [n, selector_rank] (else empty).
+// What a block forward returns for its n drafted slots (from draft_hparams::first_draft_slot()):
+// logits [n, n_head_rows()] (logit_scale and the soft-cap applied); for a DFlash 2 draft the
+// selector's gate [n, selector_rank], for a draft with a confidence head the slots' result_norm
+// [n, n_embd] (else empty).
 struct block_output {
     std::vector<float> logits;
     std::vector<float> gate;
+    std::vector<float> hidden;
 };
 
 // The device the draft runs on beside `target`: the GPU holding the target's output head, or
@@ -75,8 +79,8 @@ public:
     void inject(const float * features, int32_t n, int32_t pos0, draft_trace * trace = nullptr);
 
     // Runs the block (n_block tokens at positions start..start+n_block-1; start == n_cached()) and
-    // writes the outputs of block positions 1..n_logits into `out` (row-major); n_logits -1: all,
-    // n_block - 1.
+    // writes the outputs of the first n_logits drafted slots into `out` (row-major): block positions
+    // 1..n_logits, or 0..n_logits-1 anchor-first; n_logits -1: all the block drafts.
     void forward_block(const int32_t * tokens, int32_t n_block, int32_t start, block_output & out,
                        draft_trace * trace = nullptr, int32_t n_logits = -1);
 

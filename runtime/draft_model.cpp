@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <stdexcept>
@@ -19,6 +20,8 @@ const draft_variant DFLASH1 = { "dflash", "DFlash 1", {}, {} };
 const draft_variant DFLASH2 = { "dflash2", "DFlash 2", { draft_head::conv, draft_head::selector },
                                 { "dflash.conv_kernel_size", "dflash.conv_group_size", "dflash.selector_rank",
                                   "dflash.selector_top_k" } };
+const draft_variant DSPARK  = { "dspark", "DSpark", { draft_head::markov, draft_head::confidence }, {},
+                                "markov_w1.weight", /*anchor_first=*/true };
 
 bool draft_variant::has(draft_head head) const {
     return head == draft_head::backbone || std::find(heads.begin(), heads.end(), head) != heads.end();
@@ -37,30 +40,60 @@ constexpr int64_t MAX_LAYERS = 512, MAX_EMBD = 65536, MAX_HEADS = 1024, MAX_HEAD
 // The refusal list of dflash_llama/schema.py (REFUSALS): keys the pinned llama.cpp reads and this
 // runtime does not implement. tests/test_schema.py holds the two lists to the same entries.
 void refuse_unsupported(const gguf_keys & kv, const std::string & path) {
-    for (const char * key : { "dflash.attention.value_scale", "dflash.attention.scale",
-                              "dflash.has_confidence_head", "dflash.hyper_connection.count" }) {
+    for (const char * key : { "dflash.attention.value_scale", "dflash.attention.scale" }) {
         if (kv.has(key)) {
             fail(path, std::string("'") + key + "' is not supported by this runtime yet");
         }
+    }
+    if (kv.has("dflash.hyper_connection.count")) {
+        fail(path, "'dflash.hyper_connection.count': DSpark drafts on a DeepSeek-V4 backbone are not supported");
     }
     const std::string act = kv.string_or("dflash.hidden_activation", "silu");
     if (act != "silu") {
         fail(path, "'dflash.hidden_activation' is '" + display_string(act) + "': only silu FFNs are supported");
     }
-    if (kv.boolean_or("dflash.sample_from_anchor", false)) {
-        fail(path, "'dflash.sample_from_anchor' is true: DSpark drafts are not supported yet");
+}
+
+// DSpark's heads and the block layout: the rank is markov_w1's ne0 (no key, as the pinned loader
+// reads it), the confidence head is conf_proj.weight's presence (dflash.has_confidence_head, when
+// present, must agree), the layout dflash.sample_from_anchor (missing: the variant's default), as
+// schema._gguf_dspark_fields reads them.
+void read_dspark(const gguf_keys & kv, const ggml_context * meta, draft_hparams & hp) {
+    const ggml_tensor * w1 = ggml_get_tensor(const_cast<ggml_context *>(meta), DSPARK.marker);
+    const bool has_conf = ggml_get_tensor(const_cast<ggml_context *>(meta), "conf_proj.weight") != nullptr;
+    if (w1 != nullptr && hp.conv_kernel_size > 0) {
+        fail(kv.path(), std::string("tensor '") + DSPARK.marker + "': a DSpark head on a DFlash 2 draft is not supported");
     }
+    const bool said_conf = kv.boolean_or("dflash.has_confidence_head", has_conf);
+    hp.sample_from_anchor = kv.boolean_or("dflash.sample_from_anchor", w1 != nullptr && DSPARK.anchor_first);
+    if (hp.sample_from_anchor && hp.conv_kernel_size > 0) {
+        fail(kv.path(), "an anchor-first block (sample_from_anchor) is not supported for DFlash 2 drafts");
+    }
+    if (w1 == nullptr) {
+        return;
+    }
+    if (w1->ne[0] < 1 || w1->ne[0] > MAX_EMBD || w1->ne[2] != 1 || w1->ne[3] != 1) {
+        fail(kv.path(), std::string("tensor '") + DSPARK.marker + "' has ne[0] = " + std::to_string(w1->ne[0]) +
+                        ": expected [markov_rank, n_vocab], the rank in 1.." + std::to_string(MAX_EMBD));
+    }
+    if (said_conf != has_conf) {
+        fail(kv.path(), std::string("'dflash.has_confidence_head' = ") + (said_conf ? "True" : "False") +
+                        " but the draft " + (has_conf ? "has" : "has no") + " conf_proj.weight");
+    }
+    hp.markov_rank         = (int32_t) w1->ne[0];
+    hp.has_confidence_head = has_conf;
 }
 
 // The variant the keys say (a DFlash 2 key present: DFlash 2, as schema.variant_of_gguf and the
 // pinned loop read it) and its keys: all of them or none, the first missing one named as
-// schema._variant_refusals names it, each a positive integer.
-void read_variant(const gguf_keys & kv, draft_hparams & hp) {
+// schema._variant_refusals names it, each a positive integer; then DSpark's heads.
+void read_variant(const gguf_keys & kv, const ggml_context * meta, draft_hparams & hp) {
     bool any = false;
     for (const char * key : DFLASH2.keys) {
         any = any || kv.has(key);
     }
     if (!any) {
+        read_dspark(kv, meta, hp);
         return;
     }
     std::string all;
@@ -76,6 +109,7 @@ void read_variant(const gguf_keys & kv, draft_hparams & hp) {
     hp.conv_group_size  = (int32_t) kv.integer("dflash.conv_group_size", 1, INT32_MAX);
     hp.selector_rank    = (int32_t) kv.integer("dflash.selector_rank", 1, INT32_MAX);
     hp.selector_top_k   = (int32_t) kv.integer("dflash.selector_top_k", 1, INT32_MAX);
+    read_dspark(kv, meta, hp);
 }
 
 // A DFlash 2 draft's sizes against the backbone's: whole groups of channels, at most the vocabulary's
@@ -165,7 +199,7 @@ void read_scalars(const gguf_keys & kv, draft_hparams & hp) {
     hp.causal = kv.has("dflash.attention.causal") ? (kv.boolean_or("dflash.attention.causal", false) ? 1 : 0) : -1;
 }
 
-draft_hparams read_hparams(const gguf_context * ctx, const std::string & path) {
+draft_hparams read_hparams(const gguf_context * ctx, const ggml_context * meta, const std::string & path) {
     const gguf_keys kv{ctx, path};
 
     const std::string arch = kv.string_or("general.architecture", "");
@@ -173,8 +207,8 @@ draft_hparams read_hparams(const gguf_context * ctx, const std::string & path) {
         fail(path, "general.architecture is '" + display_string(arch) + "', expected 'dflash' (a DFlash draft GGUF)");
     }
     draft_hparams hp;
-    read_variant(kv, hp);
     refuse_unsupported(kv, path);
+    read_variant(kv, meta, hp);
 
     read_sizes(kv, hp);
     check_variant_sizes(kv, hp);
@@ -234,6 +268,8 @@ constexpr known_tensor kKnownTensors[] = {
     { "selector_predecessor.weight", draft_head::selector, false },
     { "selector_successor.weight", draft_head::selector, false },
     { "selector_hidden.weight", draft_head::selector, false },
+    { "markov_w1.weight", draft_head::markov, false }, { "markov_w2.weight", draft_head::markov, false },
+    { "conf_proj.weight", draft_head::confidence, false }, { "conf_proj.bias", draft_head::confidence, false },
 };
 
 // The entry of kKnownTensors `name` is (a layer index below n_layer), or nullptr.
@@ -273,20 +309,27 @@ void refuse_unknown_tensors(const gguf_context * ctx, const draft_hparams & hp, 
                        "a draft with its own is not supported by this runtime" +
                        std::string(name == "output.weight" ? " (an own head needs a d2t: a reduced vocabulary)" : ""));
         }
+        if (name == "d2t" && variant.has(draft_head::markov)) {
+            fail(path, "tensor 'd2t': a reduced vocabulary for a DSpark draft is not supported yet");
+        }
         if (name == "d2t" || name == "output.weight") {
             continue;
         }
+        if (name == "markov_w2.scale") {
+            fail(path, "tensor 'markov_w2.scale': a scaled Markov head (markov_w2.scale) is not supported");
+        }
         const known_tensor * known = find_known_tensor(name, hp.n_layer);
         if (known == nullptr) {
-            fail(path, "tensor '" + name + "' is not supported by this runtime (DSpark or extra per-layer tensors)");
+            fail(path, "tensor '" + name + "' is not supported by this runtime (extra per-layer tensors or other heads)");
         }
-        if (!variant.has(known->head)) {
-            std::string keys;
-            for (const char * key : DFLASH2.keys) {
-                keys += (keys.empty() ? "" : " / ") + std::string(key);
+        if (!variant.has(known->head)) {  // named as schema.refusals names it
+            const draft_variant & owner = DFLASH2.has(known->head) ? DFLASH2 : DSPARK;
+            std::string lacks;
+            for (const char * key : owner.keys) {
+                lacks += (lacks.empty() ? "" : " / ") + std::string(key);
             }
-            fail(path, "tensor '" + name + "': a " + DFLASH2.title + " tensor in a " + variant.title + " draft (no " +
-                       keys + ")");
+            fail(path, "tensor '" + name + "': a " + owner.title + " tensor in a " + variant.title + " draft (no " +
+                       (lacks.empty() ? std::string(owner.marker) : lacks) + ")");
         }
     }
 }
@@ -305,7 +348,7 @@ void allocate_on_host(draft_model & draft, std::initializer_list<ggml_tensor *> 
     }
     draft.host_buf = ggml_backend_buft_alloc_buffer(host, size);
     if (draft.host_buf == nullptr) {
-        fail(draft.path, "cannot allocate the selector's codebooks (" + std::to_string(size >> 20) + " MiB)");
+        fail(draft.path, "cannot allocate the host-side heads (" + std::to_string(size >> 20) + " MiB)");
     }
     ggml_backend_buffer_set_usage(draft.host_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     ggml_tallocr alloc = ggml_tallocr_new(draft.host_buf);
@@ -345,7 +388,7 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
     }
     draft.path    = path;
     draft.ctx     = meta;
-    draft.hparams = read_hparams(gguf.get(), path);
+    draft.hparams = read_hparams(gguf.get(), meta, path);
     const draft_hparams & hp = draft.hparams;
 
     auto tensor_as = [&](const std::string & name, std::initializer_list<int64_t> shape, tensor_role role) {
@@ -411,6 +454,25 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
         draft.selector_successor   = tensor_as("selector_successor.weight", { rank, n_vocab }, tensor_role::rows);
         draft.selector_hidden      = tensor("selector_hidden.weight", { n_embd, rank });
     }
+    if (hp.variant().has(draft_head::markov)) {
+        // W1 rows by target token, W2 rows by draft token (the whole vocabulary: no d2t); both read
+        // a row at a time by the host, W2 with its type's dot product
+        const int64_t n_vocab = hp.n_vocab > 0 ? hp.n_vocab : ggml_get_tensor(meta, DSPARK.marker)->ne[1];
+        const int64_t rank = hp.markov_rank;
+        draft.markov_w1 = tensor_as(DSPARK.marker, { rank, n_vocab }, tensor_role::rows);
+        draft.markov_w2 = tensor_as("markov_w2.weight", { rank, n_vocab }, tensor_role::rows);
+        if (hp.has_confidence_head) {
+            draft.conf_proj   = tensor_as("conf_proj.weight", { n_embd + rank, 1 }, tensor_role::rows);
+            draft.conf_proj_b = tensor("conf_proj.bias", { 1 });
+        }
+        for (const ggml_tensor * t : { draft.markov_w1, draft.markov_w2, draft.conf_proj }) {
+            if (t != nullptr && t->ne[0] % ggml_blck_size(t->type) != 0) {
+                fail(path, "tensor '" + std::string(ggml_get_name(t)) + "': type " + ggml_type_name(t->type) +
+                           " needs rows of a multiple of " + std::to_string(ggml_blck_size(t->type)) + " values, got " +
+                           std::to_string(t->ne[0]));
+            }
+        }
+    }
 
     if (ggml_get_tensor(meta, "d2t") != nullptr) {  // a reduced vocabulary: an own head over its rows
         const int64_t n_draft_vocab = ggml_get_tensor(meta, "d2t")->ne[0];
@@ -444,9 +506,10 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
         }
     }
 
-    // the selector's codebooks go to host memory (only the host reads them), the rest into one buffer
-    // of `buft`; then every tensor's bytes are read from the file
-    allocate_on_host(draft, { draft.selector_predecessor, draft.selector_successor });
+    // the selector's codebooks and the DSpark heads go to host memory (only the host reads them), the
+    // rest into one buffer of `buft`; then every tensor's bytes are read from the file
+    allocate_on_host(draft, { draft.selector_predecessor, draft.selector_successor, draft.markov_w1, draft.markov_w2,
+                              draft.conf_proj, draft.conf_proj_b });
     draft.buf = ggml_backend_alloc_ctx_tensors_from_buft(meta, buft);
     if (draft.buf == nullptr) {
         fail(path, "cannot allocate the draft's weights");
@@ -518,6 +581,10 @@ void check_draft_fits_target(const draft_model & draft, const llama_model * targ
                    " rows, the target's vocabulary " + std::to_string(t_vocab) + " tokens: this draft was made for "
                    "another target");
     }
+    if (draft.markov_w1 != nullptr && draft.markov_w1->ne[1] != t_vocab) {
+        fail(path, "the Markov head has " + std::to_string(draft.markov_w1->ne[1]) + " rows, the target's vocabulary " +
+                   std::to_string(t_vocab) + " tokens: this draft was made for another target");
+    }
     if (hp.selector_top_k > t_vocab) {
         fail(path, "dflash.selector_top_k: " + std::to_string(hp.selector_top_k) + ", expected at most the target's " +
                    std::to_string(t_vocab) + " tokens");
@@ -533,6 +600,15 @@ void check_draft_fits_target(const draft_model & draft, const llama_model * targ
             fail(path, "d2t maps two draft rows to token " + std::to_string(id));
         }
         seen[id] = true;
+    }
+}
+
+void host_row(const ggml_tensor * t, int64_t row, float * out) {
+    const char * data = (const char *) t->data + (size_t) row * t->nb[1];
+    if (t->type == GGML_TYPE_F32) {
+        std::memcpy(out, data, (size_t) t->ne[0] * sizeof(float));
+    } else {
+        ggml_get_type_traits(t->type)->to_float(data, out, t->ne[0]);
     }
 }
 

@@ -1,6 +1,7 @@
 // A DFlash-family draft read from GGUF: hyper-parameters, weights in a backend buffer, checks against
 // the target. A DFlash 2 draft adds grouped dynamic convolutions to every layer and a candidate
-// selector (draft_variant). The draft owns no token embedding: it borrows the target's (see
+// selector, a DSpark draft a Markov head and optionally a confidence head (draft_variant); a draft
+// of either DFlash 1 or DSpark may draft anchor-first (draft_hparams::sample_from_anchor). The draft owns no token embedding: it borrows the target's (see
 // draft_graph.h), so a draft for another target is refused here with both values named. Its LM head
 // is the target's too, unless it has a reduced vocabulary: its own `output.weight` over n_draft_vocab
 // rows, and `d2t` mapping row i to target token d2t[i] (absolute ids, as the pinned `dflash` graph
@@ -19,22 +20,26 @@ struct llama_model;
 namespace dflash {
 
 // The heads a variant adds to the DFlash 1 backbone.
-enum class draft_head { backbone, conv, selector };
+enum class draft_head { backbone, conv, selector, markov, confidence };
 
-// A kind of DFlash-family draft, mirroring dflash_llama/schema.py (`Variant`, `DFLASH1`, `DFLASH2`):
-// the heads it adds to the DFlash 1 backbone and the GGUF keys it needs, all present and > 0. The one
+// A kind of DFlash-family draft, mirroring dflash_llama/schema.py (`Variant`, `DFLASH1`, `DFLASH2`,
+// `DSPARK`): the heads it adds to the DFlash 1 backbone (a DSpark draft may lack its confidence
+// head), the GGUF keys it needs, all present and > 0, and the tensor whose presence says it. The one
 // C++ place that knows variants; everything else asks draft_hparams::variant().
 struct draft_variant {
     const char * name;   // as the CLI and the reports spell it
     const char * title;  // as prose spells it
     std::vector<draft_head>   heads;
     std::vector<const char *> keys;
+    const char * marker = "";    // the tensor that says this variant (DSpark's markov_w1.weight)
+    bool anchor_first   = false; // the block layout when a draft does not say (dflash.sample_from_anchor)
 
     bool has(draft_head head) const;
 };
 
 extern const draft_variant DFLASH1;
 extern const draft_variant DFLASH2;
+extern const draft_variant DSPARK;
 
 struct draft_hparams {
     int32_t n_embd     = 0;
@@ -62,10 +67,22 @@ struct draft_hparams {
     int32_t conv_group_size  = 0;  // dflash.conv_group_size, divides n_embd
     int32_t selector_rank    = 0;  // dflash.selector_rank
     int32_t selector_top_k   = 0;  // dflash.selector_top_k
+    // DSpark (0: none): the Markov head's rank (markov_w1's ne0: no key), and its confidence head
+    int32_t markov_rank         = 0;
+    bool    has_confidence_head = false;
+    // the block layout (dflash.sample_from_anchor; missing: the variant's): anchor-first, the block
+    // [anchor, MASK x (B-1)] drafts B tokens, slot k the token after anchor + k; else slot 0 is the
+    // anchor only and B inputs draft B - 1 (DFlash's layout)
+    bool    sample_from_anchor  = false;
 
     int32_t n_taps() const { return (int32_t) target_layer_ids.size(); }
-    const draft_variant & variant() const { return conv_kernel_size > 0 ? DFLASH2 : DFLASH1; }
+    const draft_variant & variant() const {
+        return conv_kernel_size > 0 ? DFLASH2 : markov_rank > 0 ? DSPARK : DFLASH1;
+    }
     int32_t conv_groups() const { return conv_group_size > 0 ? n_embd / conv_group_size : 0; }
+    // the block position of the first drafted slot, and the most tokens a block of `block` drafts
+    int32_t first_draft_slot() const { return sample_from_anchor ? 0 : 1; }
+    int32_t max_draft(int32_t block) const { return block - first_draft_slot(); }
 };
 
 struct draft_layer {
@@ -105,12 +122,18 @@ struct draft_model {
     ggml_tensor * selector_predecessor = nullptr;
     ggml_tensor * selector_successor   = nullptr;
     ggml_tensor * selector_hidden      = nullptr;
+    // DSpark's Markov head W1 [rank, n_vocab] and W2 [rank, n_vocab] (rows by token) and confidence
+    // head [n_embd + rank, 1] + bias [1]: in host memory, read by the host's chain (markov.h)
+    ggml_tensor * markov_w1   = nullptr;
+    ggml_tensor * markov_w2   = nullptr;
+    ggml_tensor * conf_proj   = nullptr;
+    ggml_tensor * conf_proj_b = nullptr;
 
     bool reduced_vocab() const { return d2t != nullptr; }
 
     ggml_context *        ctx = nullptr;       // tensor metadata
     ggml_backend_buffer_t buf = nullptr;       // tensor data
-    ggml_backend_buffer_t host_buf = nullptr;  // the selector's codebooks (host memory)
+    ggml_backend_buffer_t host_buf = nullptr;  // the selector's codebooks, the DSpark heads (host memory)
 
     draft_model() = default;
     draft_model(const draft_model &) = delete;
@@ -126,5 +149,8 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
 // too), target layers within the target's depth, mask token and d2t ids within the vocabulary.
 // Throws std::invalid_argument.
 void check_draft_fits_target(const draft_model & draft, const llama_model * target);
+
+// Row `row` of a 2-D tensor in host memory as f32 (ne0 values), dequantised from its stored type.
+void host_row(const ggml_tensor * t, int64_t row, float * out);
 
 } // namespace dflash

@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include "log.h"
+#include "markov.h"
 #include "selector.h"
 
 #include "ggml-backend.h"
@@ -29,8 +30,8 @@ engine::engine(const engine_params & params) {
         throw std::invalid_argument("the context (" + std::to_string(target_->n_ctx()) + " tokens) is smaller than one draft block (" +
                                     std::to_string(draft_model_->hparams.block_size) + " tokens): raise n_ctx / -c");
     }
-    // a verify of up to block_size tokens keeps at least its first: at most block_size - 1 are rolled back
-    target_->reserve_rollback(draft_model_->hparams.block_size - 1);
+    // a verify of the last token and up to max_draft drafted ones keeps at least its first
+    target_->reserve_rollback(draft_model_->hparams.max_draft(draft_model_->hparams.block_size));
     const int32_t n_threads = params.target.n_threads > 0 ? params.target.n_threads
                                                           : (int32_t) llama_n_threads(target_->context());
     threads_.n_threads = n_threads;
@@ -197,6 +198,9 @@ draft_trace engine::trace_draft(const std::vector<float> & features, int32_t n_c
         d.forward_block(block.data(), (int32_t) block.size(), n_ctx_tokens, out, &trace);
         if (d.hparams().variant().has(draft_head::selector)) {  // the greedy walk over the drafted slots
             candidate_selector(d).trace(out, block.front(), trace);
+        }
+        if (d.hparams().variant().has(draft_head::markov)) {  // the greedy chain over the drafted slots
+            markov_chain(d).trace(out, block.front(), trace);
         }
     } catch (...) {
         d.crop(0);

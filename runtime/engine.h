@@ -60,7 +60,8 @@ public:
 
     // Every named draft intermediate for given context features ([n_ctx_tokens, n_taps * n_embd]) at
     // positions 0.., and a block at the following positions; for a DFlash 2 draft also the selector's
-    // greedy walk from block[0] (selector.h: selector_*). The draft cache is left empty.
+    // greedy walk from block[0] (selector.h: selector_*), for a DSpark draft its greedy Markov chain
+    // from block[0] (markov.h: markov_*, biased_logits, confidence). The draft cache is left empty.
     draft_trace trace_draft(const std::vector<float> & features, int32_t n_ctx_tokens, const std::vector<int32_t> & block);
 
     // The thread count in use and why (before the first generation: as given, or all CPUs until measured).

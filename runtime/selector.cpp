@@ -18,12 +18,7 @@ candidate_selector::candidate_selector(const draft_runner & draft)
 
 // Row `token` of a codebook as f32 (the codebooks live in host memory, in their stored type).
 void candidate_selector::codebook_row(const ggml_tensor * book, int32_t token, float * out) const {
-    const char * row = (const char *) book->data + (size_t) token * book->nb[1];
-    if (book->type == GGML_TYPE_F32) {
-        std::memcpy(out, row, (size_t) rank_ * sizeof(float));
-    } else {
-        ggml_get_type_traits(book->type)->to_float(row, out, rank_);
-    }
+    host_row(book, token, out);
 }
 
 // The slot's K candidates: its head rows of the highest logits (NaN counts as -inf), as target

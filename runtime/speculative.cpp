@@ -1,5 +1,6 @@
 #include "speculative.h"
 
+#include "markov.h"
 #include "ngram.h"
 #include "selector.h"
 
@@ -108,7 +109,8 @@ std::vector<double> generate_result::acceptance_by_position() const {
 
 namespace {
 
-// The block size (the draft's unless asked) and the most tokens one step drafts, checked.
+// The block size (the draft's unless asked) and the most tokens one step drafts (the whole block for an
+// anchor-first draft, else all but its first position), checked.
 std::pair<int32_t, int32_t> block_shape(const target_runner & target, const draft_hparams & hp, const generate_params & params) {
     const int32_t block_size = params.block_size.value_or(hp.block_size);
     if (block_size < 2) {
@@ -129,7 +131,14 @@ std::pair<int32_t, int32_t> block_shape(const target_runner & target, const draf
     if (params.draft_max && *params.draft_max < 1) {
         throw std::invalid_argument("draft_max must be at least 1, got " + std::to_string(*params.draft_max));
     }
-    return { block_size, std::min(params.draft_max.value_or(block_size - 1), block_size - 1) };
+    if (!(params.draft_p_min >= 0.0f && params.draft_p_min <= 1.0f)) {
+        throw std::invalid_argument("draft_p_min must be in [0, 1], got " + std::to_string(params.draft_p_min));
+    }
+    if (params.draft_p_min > 0.0f && !hp.has_confidence_head) {
+        throw std::invalid_argument("draft_p_min needs a draft with a confidence head (a DSpark draft's conf_proj)");
+    }
+    const int32_t max_draft = hp.max_draft(block_size);
+    return { block_size, std::min(params.draft_max.value_or(max_draft), max_draft) };
 }
 
 // Cuts `produced` after its first stop token; true if there was one.
@@ -169,24 +178,34 @@ struct pending_features {
 
 // The tokens a block forward drafts for its first n slots and, sampled, the distribution each was
 // drawn from, dense over the target's vocabulary (0 elsewhere): per slot the argmax or a draw from its
-// logits (DFlash 1), or the selector's walk from the anchor (DFlash 2, over its K candidates).
+// logits (DFlash 1), the selector's walk from the anchor (DFlash 2, over its K candidates), or the
+// Markov chain from the anchor (DSpark, cut before the first slot whose confidence is below p_min:
+// then fewer than n).
 struct draft_chooser {
     const draft_runner &              draft;
     const int32_t                     n_vocab;
     std::optional<candidate_selector> selector;  // DFlash 2 drafts
+    std::optional<markov_chain>       chain;     // DSpark drafts
     std::vector<float>                q_rows;    // a reduced-vocabulary draft's distribution over its own rows
 
     draft_chooser(const draft_runner & d, int32_t n_vocab) : draft(d), n_vocab(n_vocab) {
         if (d.hparams().variant().has(draft_head::selector)) {
             selector.emplace(d);
         }
+        if (d.hparams().variant().has(draft_head::markov)) {
+            chain.emplace(d);
+        }
     }
 
     void choose(const block_output & out, int32_t anchor, int32_t n, const sampling_params & sp, sampler & rng,
-                std::vector<int32_t> & tokens, std::vector<std::vector<float>> & q) {
+                std::vector<int32_t> & tokens, std::vector<std::vector<float>> & q, float p_min = 0.0f) {
         q.resize(n);
         if (selector) {
             walk(out, anchor, n, sp, rng, tokens, q);
+            return;
+        }
+        if (chain) {
+            chain->walk(out, anchor, n, sp, p_min, rng, tokens, q);
             return;
         }
         const int32_t n_rows = draft.n_head_rows();  // n_vocab, or a reduced vocabulary's size
@@ -235,15 +254,18 @@ struct spec_loop {
     const size_t feature_row = (size_t) draft.hparams().n_taps() * draft.hparams().n_embd;
     std::optional<ngram_index> ngrams;  // the prompt and every committed token (the n-gram source on)
 
-    // Draft n tokens after `last` in one block forward; they follow `last` in `verify`. The adaptive
-    // loop's block holds only the positions it verifies (n + 1): the draft's cost falls with n, and
-    // acceptance barely moves (docs/benchmarks.md); a fixed draft length drafts the whole block.
+    // Draft up to n tokens after `last` in one block forward; they follow `last` in `verify` (fewer
+    // when a confidence head cuts the draft). The adaptive loop's block holds only the positions it
+    // verifies (n + 1, or n anchor-first): the draft's cost falls with n, and acceptance barely moves
+    // (docs/benchmarks.md); a fixed draft length drafts the whole block. Near max_length the block
+    // stops at the last position a draft may fill.
     void propose(int32_t n, std::vector<int32_t> & verify) {
-        const int32_t n_block = std::min(params.adaptive ? n + 1 : block_size, max_length - start);
+        const int32_t first = draft.hparams().first_draft_slot();
+        const int32_t n_block = std::min(params.adaptive ? n + first : block_size, max_length - start - 1 + first);
         std::vector<int32_t> block(n_block, draft.hparams().mask_token_id);
         block[0] = last;
         draft.forward_block(block.data(), n_block, start, block_out, nullptr, n);
-        chooser.choose(block_out, last, n, params.sampling, rng, verify, q);
+        chooser.choose(block_out, last, n, params.sampling, rng, verify, q, params.draft_p_min);
     }
 
     // The longest prefix of `drafted` the target agrees with; its own next token in `next`.
@@ -341,7 +363,9 @@ struct spec_loop {
         propose(n, probe.proposals);
         probe.t_draft = ms_since(t0);
         res.stats.t_draft_ms += probe.t_draft;
-        shadow = std::move(probe);
+        if (!probe.proposals.empty()) {  // a confidence head may cut the whole probe
+            shadow = std::move(probe);
+        }
     }
 
     // Scores the shadow probe against the tokens the last step produced (a plain step's one, an
@@ -356,8 +380,9 @@ struct spec_loop {
     }
 
     // N >= 1: draft, verify [last, drafted...] in one target decode, keep the accepted prefix and the
-    // target's next token, roll back the rest. Returns {draft ms (with the injection), verify ms, accepted}.
-    std::tuple<double, double, int32_t> draft_step(int32_t n, const token_callback & on_tokens) {
+    // target's next token, roll back the rest. Returns {draft ms (with the injection), verify ms,
+    // drafted (N, or fewer after a confidence cut), accepted}.
+    std::tuple<double, double, int32_t, int32_t> draft_step(int32_t n, const token_callback & on_tokens) {
         auto t0 = clock_type::now();
         pending.flush(draft);
         res.stats.t_draft_ms += ms_since(t0);
@@ -386,7 +411,7 @@ struct spec_loop {
         start += n_produced;
         res.stats.t_draft_ms += t_draft;
         res.stats.t_verify_ms += t_verify;
-        return { t_draft, t_verify, accepted };
+        return { t_draft, t_verify, (int32_t) drafted.size(), accepted };
     }
 };
 
@@ -407,7 +432,9 @@ static std::vector<int32_t> measured_sizes(int32_t max) {
 
 step_costs measure_step_costs(target_runner & target, draft_runner & draft, int32_t block_size) {
     const draft_hparams & hp = draft.hparams();
-    const std::vector<int32_t> tokens(block_size, hp.mask_token_id);
+    const int32_t max_draft = hp.max_draft(block_size), first = hp.first_draft_slot();
+    const int32_t max_verify = max_draft + 1;  // the last token and every drafted one
+    const std::vector<int32_t> tokens(max_verify, hp.mask_token_id);
     // the faster of two runs, each after `before` (untimed): the loop alternates draft and target,
     // and each evicts the other's weights from the CPU caches, so each is timed after the other
     auto timed = [](auto && before, auto && fn) {
@@ -422,12 +449,12 @@ step_costs measure_step_costs(target_runner & target, draft_runner & draft, int3
         return best;
     };
     step_costs costs;
-    costs.verify.assign(block_size + 1, 0.0);
-    costs.draft.assign(block_size, 0.0);
+    costs.verify.assign(max_verify + 1, 0.0);
+    costs.draft.assign(max_draft + 1, 0.0);
     target.rollback(0);
     draft.crop(0);
     target.set_capture(hp.target_layer_ids);
-    target.decode(tokens.data(), block_size, 0, /*all_logits=*/true);  // warm-up (first touch of the weights)
+    target.decode(tokens.data(), max_verify, 0, /*all_logits=*/true);  // warm-up (first touch of the weights)
     const std::vector<float> features = target.features();
     target.rollback(0);
     block_output out;
@@ -436,7 +463,7 @@ step_costs measure_step_costs(target_runner & target, draft_runner & draft, int3
         draft.forward_block(tokens.data(), 2, 1, out, nullptr, 1);
         draft.crop(0);
     };
-    for (const int32_t k : measured_sizes(block_size)) {
+    for (const int32_t k : measured_sizes(max_verify)) {
         costs.verify[k] = timed(a_draft_step, [&] {
             target.decode(tokens.data(), k, 0, /*all_logits=*/k > 1);
             target.rollback(0);
@@ -444,13 +471,13 @@ step_costs measure_step_costs(target_runner & target, draft_runner & draft, int3
     }
     // the draft step as the loop takes it: the injection of a step's tokens (two here), then the
     // block, over a context of kContext positions (attention over it is part of the cost), then the
-    // choice of its tokens (a DFlash 2 draft's selector walk)
+    // choice of its tokens (a DFlash 2 draft's selector walk, a DSpark draft's Markov chain)
     constexpr int32_t kContext = 64, kInjected = 2;
-    const int32_t n_context = std::max(0, std::min(kContext, target.n_ctx() - block_size - kInjected));
+    const int32_t n_context = std::max(0, std::min(kContext, target.n_ctx() - max_verify - kInjected));
     const size_t row = (size_t) hp.n_taps() * hp.n_embd;
     std::vector<float> context((size_t) (n_context + kInjected) * row);
     for (int32_t i = 0; i < n_context + kInjected; ++i) {
-        std::copy_n(features.data() + (size_t) (i % block_size) * row, row, context.data() + (size_t) i * row);
+        std::copy_n(features.data() + (size_t) (i % max_verify) * row, row, context.data() + (size_t) i * row);
     }
     draft.inject(context.data(), n_context, 0);
     draft_chooser chooser(draft, target.n_vocab());
@@ -461,10 +488,10 @@ step_costs measure_step_costs(target_runner & target, draft_runner & draft, int3
         target.decode(tokens.data(), 2, 0, /*all_logits=*/true);
         target.rollback(0);
     };
-    for (const int32_t n : measured_sizes(block_size - 1)) {
+    for (const int32_t n : measured_sizes(max_draft)) {
         costs.draft[n] = timed(a_target_step, [&] {
             draft.inject(context.data() + (size_t) n_context * row, kInjected, n_context);
-            draft.forward_block(tokens.data(), n + 1, n_context + kInjected, out, nullptr, n);
+            draft.forward_block(tokens.data(), n + first, n_context + kInjected, out, nullptr, n);
             proposals.clear();
             chooser.choose(out, tokens[0], n, sampling_params{}, rng, proposals, q);
             draft.crop(n_context);
@@ -543,8 +570,12 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
         } else if (n == 0) {
             policy.observe_plain(loop.plain_step(on_tokens));
         } else {
-            const auto [t_draft, t_verify, accepted] = loop.draft_step(n, on_tokens);
-            policy.observe_draft(n, accepted, t_draft, t_verify);
+            const auto [t_draft, t_verify, drafted, accepted] = loop.draft_step(n, on_tokens);
+            if (drafted > 0) {
+                policy.observe_draft(drafted, accepted, t_draft, t_verify);
+            } else {  // a confidence head cut the whole draft: the verify was a plain decode
+                policy.observe_plain(t_verify);
+            }
             continue;
         }
         // after a plain or an n-gram step: score a shadow probe, take one asked for

@@ -19,11 +19,15 @@ struct generate_params {
     int32_t max_new_tokens = 128;
     sampling_params sampling;
     std::optional<int32_t> block_size;  // unset: the draft's trained block size
-    // adaptive: each step verifies the N = 0..block_size-1 drafted tokens of the highest expected speed
+    // adaptive: each step verifies the N = 0..max drafted tokens of the highest expected speed
     // (draft_policy.h; N = 0 is a plain decode with no draft forward). Else every step verifies
-    // draft_max drafted tokens (unset: block_size - 1).
+    // draft_max drafted tokens (unset: max). max: block_size - 1, or block_size for an anchor-first
+    // draft (draft_hparams::max_draft).
     bool                   adaptive = true;
     std::optional<int32_t> draft_max;
+    // a draft with a confidence head (DSpark): each draft stops before its first slot whose confidence
+    // is below this (0: never; llama.cpp's --spec-draft-p-min), so a step may verify none
+    float                  draft_p_min = 0.0f;
     // the adaptive loop's n-gram proposal source (ngram.h; unset: on); a fixed draft length drafts
     // every step, so asking for it there is refused
     std::optional<bool>    ngram;
@@ -90,8 +94,8 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
                                      const generate_params & params, const token_callback & on_tokens = {},
                                      policy_memory * memory = nullptr);
 
-// What a plain step, a verify of k = 2..block_size tokens and a draft forward of n = 1..block_size-1
-// proposals cost on this machine, target and draft: each the faster of two runs, after a warm-up,
+// What a plain step, a verify of k = 2..max+1 tokens and a draft forward of n = 1..max proposals
+// (max = draft_hparams::max_draft(block_size)) cost on this machine, target and draft: each the faster of two runs, after a warm-up,
 // on a scratch sequence (both caches are left empty); sizes 1, 2, 3, 4, 6, 9, ... and the largest
 // (0 for the others, which the policy interpolates). For block 8, about 40 plain decodes of time.
 step_costs measure_step_costs(target_runner & target, draft_runner & draft, int32_t block_size);

@@ -1,8 +1,8 @@
 """DSpark drafts through the converter: DeepSpec's, SpecForge's and speculators' formats (and
 DeepSpec's anchor-first "DFlash") to one GGUF each, the target as GGUF or HF directory, the heads and
 the block layout always written, the GGUF drafting as the checkpoint does in the reference; the own
-head kept when it is not the target's; input errors as one line; the runtime refusing the file
-cleanly; what the pinned converter writes instead (findings for the parity session)."""
+head kept when it is not the target's; input errors as one line; the runtime reading the file's
+heads and layout; what the pinned converter writes instead (findings for the parity session)."""
 
 from __future__ import annotations
 
@@ -66,9 +66,10 @@ def test_each_format_converts_and_drafts_alike(name, drafts, tiny_target_hf, tin
                         c.block_size, c.target_layer_ids, c.n_layer)
     assert fields(gguf.config) == fields(hf.config)
     assert chain_tokens(gguf, len(name)) == chain_tokens(hf, len(name))
-    # the runtime refuses it with one line, until it runs DSpark drafts
-    with pytest.raises(ValueError, match=r"not supported by this runtime|not supported yet"):
-        dflash_llama.Runtime(tiny_target_gguf, out, n_threads=1, n_ctx=64)
+    # the runtime reads the same heads and layout
+    rt = dflash_llama.Runtime(tiny_target_gguf, out, n_threads=1, n_ctx=64)
+    assert (rt.draft_variant, rt.sample_from_anchor, rt.has_confidence_head) == (
+        gguf.config.variant, cfg.sample_from_anchor, gguf.config.has_confidence_head)
 
 
 def test_an_own_head_is_kept_and_other_embeddings_refused(drafts, tiny_target_hf, reference_target, tmp_path):

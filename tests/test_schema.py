@@ -23,8 +23,7 @@ KEY_LITERAL = re.compile(r'"(dflash\.[A-Za-z0-9_.]+)"')
 PLANTED_KEYS = {
     S.HIDDEN_ACTIVATION: "gelu", S.ATTENTION_SCALE: 0.5, S.VALUE_SCALE: 0.5,
     S.ROPE_DIMENSION_SECTIONS: [4, 2, 2, 0], S.ROPE_SCALING_TYPE: "yarn", S.VALUE_LENGTH: 8,
-    S.ROPE_DIMENSION_COUNT: 8, S.SAMPLE_FROM_ANCHOR: True, S.HAS_CONFIDENCE_HEAD: True,
-    S.HYPER_CONNECTION_COUNT: 4,
+    S.ROPE_DIMENSION_COUNT: 8, S.HYPER_CONNECTION_COUNT: 4,
 }
 # a variant's keys come all together: one alone is refused (the others named), as is a non-positive one
 PLANTED_VARIANT_KEYS = {k: 4 for k in S.DFLASH2_KEYS}

@@ -74,11 +74,10 @@ def test_gguf_keys_say_the_heads_and_the_layout():
     # missing sample_from_anchor: true for DSpark, as llama.cpp reads it
     del kv[S.SAMPLE_FROM_ANCHOR]
     assert S.DraftHParams.from_gguf(kv, tensors=tensors, runtime=False).sample_from_anchor is True
-    # the runtime refuses every DSpark key and tensor, saying it is not there yet
-    found = S.refusals(kv, tensors)
-    assert found[0] == (f"'{S.HAS_CONFIDENCE_HEAD}' = True: DSpark drafts are not supported by this runtime yet "
-                        "(the PyTorch reference runs them) (confidence head)")
-    assert len(found) == 5 and all("not supported by this runtime yet" in line for line in found)
+    # the runtime runs them too; a reduced vocabulary it refuses, as the reference does
+    assert S.refusals(kv, tensors) == []
+    assert S.refusals(kv, {**tensors, "d2t": (300,), "output.weight": (64, 300)}, runtime=False) == [
+        "tensor 'd2t': a reduced vocabulary for a DSpark draft is not supported yet"]
     with pytest.raises(ValueError, match=r"^draft\.gguf: 'dflash\.has_confidence_head' = True but the draft has no "
                                          r"conf_proj\.weight$"):
         S.DraftHParams.from_gguf(kv, tensors={k: v for k, v in tensors.items() if "conf" not in k}, runtime=False)

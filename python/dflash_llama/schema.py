@@ -110,8 +110,7 @@ SELECTOR_TOP_K = _key(_A + "selector_top_k", U32, False, "dflash_config.selector
                       "DFlash 2: candidates per slot (llama.cpp needs n_embd >= K (K + 1))")
 DFLASH2_KEYS = (CONV_KERNEL_SIZE, CONV_GROUP_SIZE, SELECTOR_RANK, SELECTOR_TOP_K)
 # DSpark (Markov / confidence heads; the rank is markov_w1's ne0, as the pinned loader reads it):
-# the reference runs them, the runtime refuses them (REFUSALS, pending); our converter writes both
-# keys for every DSpark-family draft, so no reader has to guess
+# our converter writes both keys for every DSpark-family draft, so no reader has to guess
 SAMPLE_FROM_ANCHOR = _key(_A + "sample_from_anchor", BOOL, False,
                           "sample_from_anchor (speculators), dflash_config.sample_from_anchor; DeepSpec: true",
                           "the block layout: slot 0 (the anchor) is a draft slot too; missing: true")
@@ -272,7 +271,6 @@ def temporal_rope_sections(value: Any) -> bool:
     return isinstance(value, list) and 0 < len(value) <= 4 and all(v == 0 for v in value[1:])
 
 
-_PENDING = "DSpark drafts are not supported by this runtime yet (the PyTorch reference runs them)"
 _OWN = "the runtime uses the target's embeddings and head; a draft with its own is not supported by this runtime"
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(HIDDEN_ACTIVATION, "only silu FFNs are supported", allowed=("silu",)),
@@ -284,15 +282,11 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(VALUE_LENGTH, "value_length different from key_length is not supported", same_as=KEY_LENGTH),
     Refusal(ROPE_DIMENSION_COUNT, "partial RoPE (dimension_count != key_length) is not supported",
             same_as=KEY_LENGTH),
-    Refusal(SAMPLE_FROM_ANCHOR, _PENDING + " (an anchor-first block)", allowed=(False,), pending=True),
-    Refusal(HAS_CONFIDENCE_HEAD, _PENDING + " (confidence head)", pending=True),
     Refusal(HYPER_CONNECTION_COUNT, "DSpark drafts on a DeepSeek-V4 backbone are not supported"),
     # llama.cpp uses a draft's own embeddings and head; our graph uses the target's: refused, never
     # ignored. An own head with a d2t is a reduced vocabulary, which both read (see `refusals`).
     Refusal("token_embd.weight", _OWN, tensor=True),
     Refusal("output.weight", _OWN + " (an own head needs a d2t: a reduced vocabulary)", tensor=True, pending=True),
-    *(Refusal(t, _PENDING + " (Markov / confidence heads)", tensor=True, pending=True)
-      for t in ("markov_w1.weight", "markov_w2.weight", "conf_proj.weight", "conf_proj.bias")),
     Refusal("markov_w2.scale", "a scaled Markov head (markov_w2.scale) is not supported", tensor=True),
     Refusal("fc.scale", "a scaled fc is not supported", tensor=True),
     Refusal("rope_freqs.weight", "RoPE frequency factors are not supported", tensor=True),
@@ -348,6 +342,8 @@ def _variant_refusals(kv: dict[str, Any], tensor_names=()) -> list[str]:
            for k in variant.keys if k not in kv]
     if variant is DFLASH2 and DSPARK.marker in tensor_names:
         out.append(f"tensor '{DSPARK.marker}': a DSpark head on a DFlash 2 draft is not supported")
+    if variant is DSPARK and D2T in tensor_names:
+        out.append(f"tensor '{D2T}': a reduced vocabulary for a DSpark draft is not supported yet")
     for k in variant.keys:
         v = kv.get(k)
         if k in kv and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 < v <= INT32_MAX):

@@ -1,0 +1,54 @@
+// DSpark's Markov chain and confidence head, on the host, after a block forward (draft_graph.h): per
+// drafted slot k, left to right from the anchor,
+//
+//   bias_k       = W2 @ W1[prev_k]                                   (markov_bias, [n_vocab])
+//   biased_k     = the slot's logits + bias_k                        (biased_logits)
+//   confidence_k = sigmoid(conf_proj . [result_norm_k ; W1[prev_k]] + conf_proj.bias)   (confidence)
+//
+// prev_0 = the anchor, prev_k = the token drawn at slot k - 1 (markov_prev). Greedy: the argmax of
+// biased_k (the first maximum); sampled: a draw from the loop's sampling distribution of biased_k,
+// which goes to the rejection step as the slot's q. Each slot conditions on the token actually
+// drawn, so a walk stays lossless; a confidence threshold cuts it before the first slot below it,
+// a choice made from the draft alone (greedy output stays exact, sampled output lossless).
+// W1, W2 and the confidence head stay in host memory in their stored type (draft_model): a slot
+// dequantises one W1 row and multiplies W2 with it by its type's dot product.
+#pragma once
+
+#include "draft_graph.h"
+#include "sampling.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace dflash {
+
+class markov_chain {
+public:
+    explicit markov_chain(const draft_runner & draft);
+
+    // The chain over the first n slots of `out` from `anchor`, appended to `tokens`; it stops before
+    // the first slot whose confidence is below p_min (0: never). Sampled (sp not greedy): q[i] the
+    // distribution slot i's token was drawn from (q must hold n rows).
+    void walk(const block_output & out, int32_t anchor, int32_t n, const sampling_params & sp, float p_min,
+              sampler & rng, std::vector<int32_t> & tokens, std::vector<std::vector<float>> & q) const;
+
+    // The greedy chain over every slot of `out`, with what it read, as trace entries in ggml order:
+    // markov_prev [n], markov_bias [n_vocab, n], biased_logits [n_vocab, n] and, with a confidence
+    // head, confidence [n].
+    void trace(const block_output & out, int32_t anchor, draft_trace & trace) const;
+
+private:
+    void w1_row(int32_t token, std::vector<float> & out) const;
+    void bias(const std::vector<float> & w1, std::vector<float> & out) const;  // W2 @ w1, [n_vocab]
+    float confidence(const float * hidden, const std::vector<float> & w1) const;
+
+    const draft_runner & draft_;
+    const ggml_tensor *  w1_;
+    const ggml_tensor *  w2_;
+    const ggml_tensor *  conf_;
+    float                conf_bias_ = 0.0f;
+    int32_t              rank_;
+    int32_t              n_vocab_;
+};
+
+} // namespace dflash
