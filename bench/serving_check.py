@@ -272,19 +272,21 @@ def fixture_pair(out_dir: str | Path, family: str = "qwen35") -> tuple[Path, Pat
 
 
 def rollback_check(out_dir: str | Path, *, runs: int = 6, n_max: int = 7, n_predict: int = 48, threads: int = 1,
-                   family: str = "qwen35") -> dict:
+                   family: str = "qwen35", exe: str | Path | None = None) -> dict:
     """A random draft is never accepted, so every verify of n_max + 1 tokens rolls the target back by
     n_max. Serves PROMPTS with it `runs` times at -np 1 and at -np 8 (--kv-unified) and counts the
-    runs in which some text differs from the plain target's greedy text (-np 1, no draft)."""
+    runs in which some text differs from the plain target's greedy text (-np 1, no draft). `exe`:
+    another build of llama-server (the patched one) for the drafted runs."""
     target, draft = fixture_pair(out_dir, family)
     prompts = [(str(i), p) for i, p in enumerate(PROMPTS)]
     ref = serve(target, None, PROMPTS, n_predict=n_predict, n_max=None, parallel=1, threads=threads).texts
-    out = {"target": str(target), "draft": str(draft), "n_max": n_max, "runs": runs}
+    out = {"target": str(target), "draft": str(draft), "n_max": n_max, "runs": runs,
+           "server": str(exe) if exe else "pinned"}
     for parallel in PARALLEL:
         differing = []
         for _ in range(runs):
             with server.LlamaServer(target, draft, threads=threads, n_ctx=256, n_parallel=parallel, n_max=n_max,
-                                    extra_args=["--kv-unified"]) as srv:
+                                    extra_args=["--kv-unified"], exe=exe) as srv:
                 res = server.load_test(srv.url, prompts, n_predict, parallel)
             differing.append([int(r.prompt_id) for r in res.requests if r.text != ref[int(r.prompt_id)]])
         out[f"np{parallel}"] = differing
@@ -304,7 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollback-check", type=int, nargs="?", const=6, default=0, metavar="RUNS",
                    help="instead: the tiny qwen35 fixture target with a random draft (every verify rolls back), "
                         "RUNS times (default 6) at -np 1 and 8; writes rollback_check.json")
+    p.add_argument("--patched", action="store_true",
+                   help="with --rollback-check: llama-server built from the pinned tree with patches/series "
+                        "(built once, cached): U11's patch shown")
     args = p.parse_args(argv)
+    if args.patched and not args.rollback_check:
+        p.error("--patched goes with --rollback-check")
     if args.rollback_check:
         return _print_rollback_check(args)
     variants = [v for v in args.variants.split(",") if v]
@@ -332,8 +339,13 @@ def main(argv: list[str] | None = None) -> int:
 def _print_rollback_check(args: argparse.Namespace) -> int:
     """Exit status: 1 when -np 8 changed a text that -np 1 did not, else 0."""
     args.out.mkdir(parents=True, exist_ok=True)
+    exe = None
+    if args.patched:
+        from dflash_llama.patchbuild import patched_build
+
+        exe = patched_build().tool("llama-server")
     out = rollback_check(args.out, runs=args.rollback_check, n_max=max(args.n_max), n_predict=args.n_predict,
-                         threads=args.threads)
+                         threads=args.threads, exe=exe)
     (args.out / "rollback_check.json").write_text(json.dumps(out, indent=1))
     for parallel in PARALLEL:
         runs = out[f"np{parallel}"]

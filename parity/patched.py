@@ -397,15 +397,45 @@ def _fixture_lines(build: Build, result: dict[str, dict]) -> list[str]:
 
 
 # finding -> (its patch, the demonstration before and after)
+def show_u11(patched: Build, runs: int = 6) -> dict:
+    """U11 before and after: the serving check's rollback check (tiny qwen35 target, a random draft
+    whose every verify rolls back, -np 1 and -np 8) with the pinned and the patched llama-server."""
+    from dflash_llama.bench import serving_check
+
+    from .registry import cache_dir
+
+    out: dict = {"lines": []}
+    for name, exe in (("pinned", None), ("patched", patched.tool("llama-server"))):
+        r = serving_check.rollback_check(cache_dir() / "finding-u11", runs=runs, exe=exe)
+        out[name] = {f"np{n}": sum(map(bool, r[f"np{n}"])) for n in serving_check.PARALLEL}
+        out["lines"].append(f"{name:8s} llama-server, random draft, --spec-draft-n-max 7: runs with a text that is "
+                            f"not the plain target's: {out[name]['np1']} of {runs} at -np 1, "
+                            f"{out[name]['np8']} of {runs} at -np 8")
+    out["fixed"] = out["pinned"]["np8"] > 0 and out["patched"]["np8"] == out["patched"]["np1"] == 0
+    return out
+
+
 SHOW = {"U1": ("u1-dflash-default-target-layers.patch", show_u1), "U2": ("u2-dflash-last-layer-tap.patch", show_u2),
         "U3": ("u3-dflash-causal-sliding-layers.patch", show_u3),
         "U4": ("u4-dflash1-logit-scale.patch", show_u4), "U5": ("u5-dflash-full-block.patch", show_u5),
         "U7": ("u7-gemma3-layer-inputs.patch", show_u7), "U9": ("u9-dflash-speculators-format.patch", show_u9),
-        "U10": ("u10-dflash2-full-block.patch", show_u10)}
+        "U10": ("u10-dflash2-full-block.patch", show_u10),
+        "U11": ("u11-recurrent-snapshots-follow-moved-cells.patch", show_u11)}
 
-# findings of findings.py with no patch yet, and why (docs/upstream_status.md)
+# patches written and checked on a copy of the pinned tree, not in the series yet: patch -> its findings
+PROPOSED: dict[str, tuple[str, ...]] = {
+    "u13-u15-u17-dspark-converter.patch": ("U13", "U15", "U17"),
+    "u16-dspark-docs-p-min.patch": ("U16",),
+}
+
+# findings of findings.py with no patch in the series, and why (docs/upstream_status.md)
 UNPATCHED: dict[str, str] = {
-    "U11": "the recurrent rollback across requests: where llama-server's rollback goes wrong is not located yet",
+    "U12": "the fix compares the checkpoint's head and embedding with the target's: not written",
+    "U13": "patches/u13-u15-u17-dspark-converter.patch, not in the series yet",
+    "U14": "which spec type llama.cpp picks for existing files is its maintainers' call: no patch",
+    "U15": "patches/u13-u15-u17-dspark-converter.patch, not in the series yet",
+    "U16": "patches/u16-dspark-docs-p-min.patch (docs only), not in the series yet",
+    "U17": "patches/u13-u15-u17-dspark-converter.patch, not in the series yet",
 }
 
 

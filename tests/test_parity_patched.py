@@ -42,8 +42,10 @@ def test_series_names_every_patch_in_order():
     assert names == ["u1-dflash-default-target-layers.patch", "u2-dflash-last-layer-tap.patch",
                      "u3-dflash-causal-sliding-layers.patch", "u4-dflash1-logit-scale.patch",
                      "u5-dflash-full-block.patch", "u7-gemma3-layer-inputs.patch",
-                     "u9-dflash-speculators-format.patch", "u10-dflash2-full-block.patch"]
-    assert sorted(names) == sorted(p.name for p in patched.PATCHES.glob("*.patch"))
+                     "u9-dflash-speculators-format.patch", "u10-dflash2-full-block.patch",
+                     "u11-recurrent-snapshots-follow-moved-cells.patch"]
+    assert sorted(names + list(patched.PROPOSED)) == sorted(p.name for p in patched.PATCHES.glob("*.patch"))
+    assert {f for fs in patched.PROPOSED.values() for f in fs} <= set(patched.UNPATCHED)
     assert {f: patch for f, (patch, _) in patched.SHOW.items()} == {
         "U" + n[1:].split("-")[0]: n for n in names}  # one patch per finding
     # every finding of findings.py patched, or listed as not patched yet with its reason
@@ -55,7 +57,8 @@ def test_series_builds_only_the_touched_units_then_comes_from_the_cache(build):
     build, first_log = build
     assert sorted(m for m in first_log if m.startswith("compiling")) == [
         "compiling patched common/speculative.cpp", "compiling patched src/llama-graph.cpp",
-        "compiling patched src/llama-kv-cache.cpp", "compiling patched src/llama-model.cpp",
+        "compiling patched src/llama-kv-cache.cpp", "compiling patched src/llama-memory-recurrent.cpp",
+        "compiling patched src/llama-model.cpp",
         "compiling patched src/models/dflash.cpp", "compiling patched src/models/gemma3.cpp"]
     again: list[str] = []
     assert patched.patched_build(log=again.append) == build and again == []
