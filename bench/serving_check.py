@@ -309,9 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--patched", action="store_true",
                    help="with --rollback-check: llama-server built from the pinned tree with patches/series "
                         "(built once, cached): U11's patch shown")
+    p.add_argument("--server", type=Path, help="with --rollback-check: this llama-server binary (another build)")
     args = p.parse_args(argv)
-    if args.patched and not args.rollback_check:
-        p.error("--patched goes with --rollback-check")
+    if (args.patched or args.server) and not args.rollback_check:
+        p.error("--patched and --server go with --rollback-check")
+    if args.server and not args.server.is_file():
+        p.error(f"--server {args.server}: no such file")
     if args.rollback_check:
         return _print_rollback_check(args)
     variants = [v for v in args.variants.split(",") if v]
@@ -339,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
 def _print_rollback_check(args: argparse.Namespace) -> int:
     """Exit status: 1 when -np 8 changed a text that -np 1 did not, else 0."""
     args.out.mkdir(parents=True, exist_ok=True)
-    exe = None
+    exe = args.server
     if args.patched:
         from dflash_llama.patchbuild import patched_build
 

@@ -400,14 +400,20 @@ def _fixture_lines(build: Build, result: dict[str, dict]) -> list[str]:
 def show_u11(patched: Build, runs: int = 6) -> dict:
     """U11 before and after: the serving check's rollback check (tiny qwen35 target, a random draft
     whose every verify rolls back, -np 1 and -np 8) with the pinned and the patched llama-server."""
-    from dflash_llama.bench import serving_check
+    import subprocess
 
     from .registry import cache_dir
 
     out: dict = {"lines": []}
     for name, exe in (("pinned", None), ("patched", patched.tool("llama-server"))):
-        r = serving_check.rollback_check(cache_dir() / "finding-u11", runs=runs, exe=exe)
-        out[name] = {f"np{n}": sum(map(bool, r[f"np{n}"])) for n in serving_check.PARALLEL}
+        work = cache_dir() / "finding-u11"
+        r = subprocess.run([sys.executable, "-m", "dflash_llama.bench.serving_check", "--out", str(work),
+                            "--rollback-check", str(runs), "--n-max", "7", *(["--server", str(exe)] if exe else [])],
+                           capture_output=True, text=True)
+        if r.returncode not in (0, 1):
+            raise RuntimeError(f"the serving check exited with {r.returncode}:\n{r.stderr.strip()[-1500:]}")
+        res = json.loads((work / "rollback_check.json").read_text())
+        out[name] = {p: sum(map(bool, res[p])) for p in ("np1", "np8")}
         out["lines"].append(f"{name:8s} llama-server, random draft, --spec-draft-n-max 7: runs with a text that is "
                             f"not the plain target's: {out[name]['np1']} of {runs} at -np 1, "
                             f"{out[name]['np8']} of {runs} at -np 8")

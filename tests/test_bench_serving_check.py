@@ -65,7 +65,8 @@ def test_draft_counts_and_the_table():
     (["--variants", "eagle"], "--variants: expected dflash and/or dflash2, got 'eagle'"),
     (["--n-max", "0"], "--n-max must be integers >= 1, got '0'"),
     (["-n", "0"], "-n, -t and --repeats must be positive"),
-    (["--patched"], "--patched goes with --rollback-check"),
+    (["--patched"], "--patched and --server go with --rollback-check"),
+    (["--rollback-check", "--server", "/nonexistent/llama-server"], "--server /nonexistent/llama-server: no such file"),
 ])
 def test_bad_arguments_are_one_line(args, message, tmp_path):
     r = subprocess.run([sys.executable, "-m", "dflash_llama.bench.serving_check", "--out", str(tmp_path), *args],
