@@ -7,7 +7,6 @@ The drafts are random tiny DFlash 2 heads for the tiny qwen3 target in z-lab's f
 
 from __future__ import annotations
 
-import collections
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ from test_runtime_exactness import (
     chi2_goodness_of_fit,
     exact_two_token_distribution,
     humaneval_prompts,
+    sample_two_tokens,
     sampling_setup,
 )
 from test_runtime_robust import refused, rewrite, tensor_data
@@ -184,14 +184,8 @@ def test_sampling_is_lossless(tiny_target_hf, tiny_target_gguf, tmp_path):
     rt = dflash_llama.Runtime(tiny_target_gguf, pinned_gguf(hf, tiny_target_hf, tmp_path / "d.gguf"),
                               n_threads=1, n_ctx=128)
 
-    counts, accepted, drafted, proposed = collections.Counter(), 0, 0, set()
-    for seed in range(2000):
-        g = rt.generate(prompt, 2, temperature=1.0, top_k=k, seed=seed, draft_max=None)  # the second token: a verify
-        counts[tuple(g.tokens)] += 1
-        accepted += sum(s.accepted for s in g.steps)
-        drafted += sum(len(s.drafted) for s in g.steps)
-        proposed.update(s.drafted[0] for s in g.steps)
-    assert 0.05 < accepted / drafted < 0.95, f"acceptance {accepted / drafted:.2f}: both paths must be exercised"
+    counts, acceptance, proposed = sample_two_tokens(rt, prompt, k)  # the second token: a verify
+    assert 0.05 < acceptance < 0.95, f"acceptance {acceptance:.2f}: both paths must be exercised"
     assert len(proposed) > 2, "the selector's sampled walk proposes several tokens"
     _, dof, p = chi2_goodness_of_fit(counts, exact)
     assert dof == k * k - 1 and p > 1e-3, f"DFlash 2 sampling differs from target sampling (p = {p:.2e})"

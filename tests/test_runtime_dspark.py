@@ -9,7 +9,6 @@ The drafts are random tiny DSpark heads in DeepSpec's format (fixtures.tiny_draf
 
 from __future__ import annotations
 
-import collections
 import json
 from pathlib import Path
 
@@ -17,7 +16,13 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType as V
 from test_families import assert_same
-from test_runtime_exactness import OTHER_PROMPTS, chi2_goodness_of_fit, exact_two_token_distribution, sampling_setup
+from test_runtime_exactness import (
+    OTHER_PROMPTS,
+    chi2_goodness_of_fit,
+    exact_two_token_distribution,
+    sample_two_tokens,
+    sampling_setup,
+)
 from test_runtime_robust import refused, rewrite, tensor_data
 
 import dflash_llama
@@ -271,14 +276,8 @@ def test_sampling_is_lossless(tiny_target_gguf, tmp_path):
                               n_threads=1, n_ctx=128)
     assert rt.draft_variant is S.DSPARK and not rt.sample_from_anchor
 
-    counts, accepted, drafted, proposed = collections.Counter(), 0, 0, set()
-    for seed in range(2000):
-        g = rt.generate(prompt, 2, temperature=1.0, top_k=k, seed=seed, draft_max=None)  # the second token: a verify
-        counts[tuple(g.tokens)] += 1
-        accepted += sum(s.accepted for s in g.steps)
-        drafted += sum(len(s.drafted) for s in g.steps)
-        proposed.update(s.drafted[0] for s in g.steps)
-    assert 0.05 < accepted / drafted < 0.95, f"acceptance {accepted / drafted:.2f}: both paths must be exercised"
+    counts, acceptance, proposed = sample_two_tokens(rt, prompt, k)  # the second token: a verify
+    assert 0.05 < acceptance < 0.95, f"acceptance {acceptance:.2f}: both paths must be exercised"
     assert len(proposed) > k, "the Markov head moves some proposals out of the head's own top k"
     _, dof, p = chi2_goodness_of_fit(counts, exact)
     assert dof == k * k - 1 and p > 1e-3, f"DSpark sampling differs from target sampling (p = {p:.2e})"

@@ -167,6 +167,22 @@ def chi2_pvalue(stat: float, dof: int) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
+def sample_two_tokens(rt, prompt, k: int, runs: int = 2000) -> tuple[dict, float, set]:
+    """`runs` seeds of two sampled tokens (temperature 1, top-k `k`), the second from a verify of the
+    whole drafted block: the counts of each pair, the share of drafted tokens accepted and the set of
+    first drafted tokens proposed."""
+    import collections
+
+    counts, accepted, drafted, proposed = collections.Counter(), 0, 0, set()
+    for seed in range(runs):
+        g = rt.generate(prompt, 2, temperature=1.0, top_k=k, seed=seed, draft_max=None)
+        counts[tuple(g.tokens)] += 1
+        accepted += sum(s.accepted for s in g.steps)
+        drafted += sum(len(s.drafted) for s in g.steps)
+        proposed.update(s.drafted[0] for s in g.steps)
+    return counts, accepted / drafted, proposed
+
+
 def chi2_goodness_of_fit(counts: dict, probs: dict) -> tuple[float, int, float]:
     """Pearson's chi-square of observed counts against exact category probabilities: (stat, dof, p)."""
     n = sum(counts.values())
