@@ -649,8 +649,107 @@ class _FakeTarget:
     ffn, n_heads, n_kv_heads, head_dim, rope_theta, n_layers = 64, 4, 2, 8, 10000.0, 4
 
 
+DSPARK = {"markov_rank": 8, "confidence_head": True}
+
+
+def test_a_dflash1_draft_starts_a_dspark_draft_that_drafts_the_same_then_trains_its_heads(
+        dataset, small_draft, tiny_target_gguf, tmp_path):
+    """--variant dspark --block-layout dflash --init DFLASH1_DRAFT: a zero Markov bias, so the chain drafts
+    what the DFlash 1 draft drafts; training moves the Markov and confidence heads; the checkpoint (SpecForge's
+    layout) loads in the reference, converts, and our runtime stays exact with it. Anchor-first from random
+    weights trains too, and a DSpark checkpoint does not start a DFlash 1 draft."""
+    from dflash_llama import schema as L
+
+    out_data, _, _ = dataset
+    first, cfg = small_draft
+    t = target_weights_from_gguf(tiny_target_gguf)
+    start_dir, trained_dir = tmp_path / "start", tmp_path / "trained"
+    train(out_data, tiny_target_gguf, start_dir, TrainConfig(**{**cfg.__dict__, **DSPARK, "epochs": 0.0}),
+          progress=False, threads=2, init=first)
+    log = train(out_data, tiny_target_gguf, trained_dir, TrainConfig(**{**cfg.__dict__, **DSPARK, "epochs": 1.0}),
+                progress=False, threads=2, init=first)
+    config = json.loads((trained_dir / "config.json").read_text())
+    assert config["architectures"] == [L.DSPARK.architecture]
+    assert {k: config["dflash_config"][k] for k in ("markov_rank", "enable_confidence_head", "sample_from_anchor")} \
+        == {"markov_rank": 8, "enable_confidence_head": True, "sample_from_anchor": False}
+    assert all(np.isfinite(log.loss)) and log.loss[-1] > 0
+    from dflash_llama.train.model_card import write_model_card
+
+    card = write_model_card(trained_dir, [out_data]).read_text()
+    assert card.startswith("# tiny-target-f32 DSpark draft (dflash-llama)\n")
+    assert ("DSpark heads: a vanilla Markov head of rank 8 (a bias on each slot's logits from the token before it), "
+            "and a confidence head") in card and "DFlash 1's block layout: B inputs give B - 1 drafts" in card
+
+    dflash1, start, trained = (load_draft(d, t.embed_tokens, t.lm_head) for d in (first, start_dir, trained_dir))
+    assert start.config.variant is L.DSPARK and torch.count_nonzero(start.markov_head.markov_w2.weight) == 0
+    tokens, prompt_len, feats = next(iter(iter_sequences(out_data)))
+    feats = torch.from_numpy(feats.astype(np.float32))
+    with torch.no_grad():
+        for a in (prompt_len, prompt_len + 2, prompt_len + 5):
+            block = [int(tokens[a])] + [cfg.mask_token_id] * (cfg.block_size - 1)
+            chain = start.draft_chain(feats[:a], block, a)
+            assert chain.tokens.tolist() == dflash1(feats[:a], block, a).argmax(-1).tolist()
+        assert torch.count_nonzero(trained.markov_head.markov_w2.weight) > 0
+        assert not torch.equal(trained.confidence_head.proj.weight, start.confidence_head.proj.weight)
+        conf = trained.draft_chain(feats[:a], block, a).confidence
+        assert conf.shape == (cfg.block_size - 1,) and bool(((conf > 0) & (conf < 1)).all())
+    gguf = convert(trained_dir, tiny_target_gguf, tmp_path / "dspark.gguf", outtype="f32")
+    rt = dflash_llama.Runtime(tiny_target_gguf, gguf, n_threads=2, n_ctx=256)
+    assert rt.generate("def add(a, b):", 16).tokens == rt.autoregressive("def add(a, b):", 16).tokens
+    with pytest.raises(ValueError, match=r"it is a DSpark draft, this training's a DFlash 1 one \(give --variant "
+                                         r"dspark\)"):
+        train(out_data, tiny_target_gguf, tmp_path / "back", cfg, progress=False, threads=2, init=trained_dir)
+
+    anchor_first = tmp_path / "anchor_first"
+    train(out_data, tiny_target_gguf, anchor_first,
+          TrainConfig(**{**cfg.__dict__, **DSPARK, "sample_from_anchor": True, "epochs": 0.5}),
+          progress=False, threads=2)
+    af = load_draft(anchor_first, t.embed_tokens, t.lm_head)
+    assert af.config.sample_from_anchor and len(af.draft_chain(feats[:a], block, a).tokens) == cfg.block_size
+    gguf = convert(anchor_first, tiny_target_gguf, tmp_path / "af.gguf", outtype="f32")
+    rt = dflash_llama.Runtime(tiny_target_gguf, gguf, n_threads=2, n_ctx=256)
+    assert rt.generate("def add(a, b):", 16).tokens == rt.autoregressive("def add(a, b):", 16).tokens
+
+
+def test_the_dspark_loss_is_the_papers_on_the_teacher_forced_markov_chain(small_draft):
+    """Without a teacher: TV = 1 - p_draft(target) on the Markov-biased logits, the bias of slot j from the
+    true token before it; the confidence head's BCE is against 1 - TV; the weights mix as documented."""
+    from dflash_llama.reference.model import DFlashDraft
+    from dflash_llama.train.trainer import Batch, batch_loss, draft_config, drafted_states
+
+    _, cfg = small_draft
+    torch.manual_seed(0)
+    draft = DFlashDraft(draft_config(TrainConfig(**{**cfg.__dict__, **DSPARK}), _FakeTarget()))
+    for p in draft.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    draft.attach_target(torch.randn(12, 32), torch.randn(12, 32))
+    tokens = torch.tensor([5, 9, 3, 7, 2, 8, 1])
+    b = Batch(tokens, torch.randn(7, 64), torch.tensor([1, 3]), torch.tensor([[3, 7, 2], [2, 8, 1]]))
+    w = torch.tensor([1.0, 0.5, 0.25])
+    with torch.no_grad():
+        y = drafted_states(draft, b.feats, b.tokens, b.anchors)
+        prev = torch.tensor([[9, 3, 7], [7, 2, 8]])  # the anchor, then the true tokens
+        logits = y @ draft.lm_head.T + draft.markov_head(prev)
+        p = F.softmax(logits, -1).gather(-1, b.targets[..., None]).squeeze(-1)
+        ce = -p.log()
+        conf_logit = draft.confidence_head.proj(torch.cat([y, draft.markov_head.markov_w1(prev)], -1)).squeeze(-1)
+        bce = F.binary_cross_entropy_with_logits(conf_logit, p, reduction="none")
+
+        def mean(x):
+            return (x * w).sum() / (2 * w.sum())
+
+        got = batch_loss(draft, b, w, None, None, dspark=(0.9, 0.0))
+        assert torch.allclose(got, mean(0.1 * ce + 0.9 * (1 - p)), rtol=1e-5)
+        got = batch_loss(draft, b, w, None, None, dspark=(0.9, 1.0))
+        assert torch.allclose(got, mean(0.1 * ce + 0.9 * (1 - p) + bce), rtol=1e-5)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--selector-top-k", "4"], "--selector-top-k is a DFlash 2 setting: give --variant dflash2"),
+    (["--markov-rank", "4"], "--markov-rank is a DSpark setting: give --variant dspark"),
+    (["--variant", "dspark", "--markov-rank", "0"], "--markov-rank must be positive, got 0"),
+    (["--variant", "dspark", "--tv-weight", "2"], "--tv-weight is a weight between 0 and 1, got 2.0"),
+    (["--variant", "dspark", "--draft-vocab", "16"], "--draft-vocab with --variant dspark is not supported yet"),
     (["--variant", "dflash2", "--conv-group-size", "7"], "--conv-group-size 7 does not divide the target's hidden"),
     (["--variant", "dflash2", "--selector-top-k", "999999"], "--selector-top-k 999999 is larger than the draft "
                                                                 "vocabulary (the target's vocabulary:"),

@@ -15,13 +15,27 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dflash_llama.cli_args import add_model_args, add_seed_arg, add_threads_arg, finite_float
-from dflash_llama.schema import DFLASH1, DFLASH2, VARIANTS
+from dflash_llama.schema import DFLASH1, DFLASH2, DSPARK, VARIANTS
 
-# DFlash 2's settings: flag, default, what it sets
-DFLASH2_FLAGS = (("--conv-kernel-size", 2, "taps of each convolution"),
-                 ("--conv-group-size", 16, "channels sharing one dynamic coefficient (divides the hidden size)"),
-                 ("--selector-rank", 64, "rank of the selector's codebooks"),
-                 ("--selector-top-k", 8, "candidates the selector walks per draft slot"))
+# each variant's own settings: flag, default, type, what it sets (given with another --variant: an error)
+VARIANT_FLAGS = {
+    DFLASH2.name: (("--conv-kernel-size", 2, int, "taps of each convolution"),
+                   ("--conv-group-size", 16, int, "channels sharing one dynamic coefficient (divides the hidden "
+                                                  "size)"),
+                   ("--selector-rank", 64, int, "rank of the selector's codebooks"),
+                   ("--selector-top-k", 8, int, "candidates the selector walks per draft slot")),
+    DSPARK.name: (("--markov-rank", 64, int, "rank of the Markov head (the paper's default is 256)"),
+                  ("--confidence-head", "on", ("on", "off"), "a confidence head (predicts each slot's acceptance)"),
+                  ("--block-layout", "anchor-first", ("anchor-first", "dflash"),
+                   "anchor-first: B inputs give B drafts (DSpark's); dflash: B - 1, as DFlash 1 (so --init of a "
+                   "DFlash 1 draft starts from its drafts)"),
+                  ("--tv-weight", 0.9, float, "the loss: (1 - W) x the draft loss + W x total variation (paper: "
+                                              "0.1 CE + 0.9 TV)"),
+                  ("--confidence-weight", 1.0, float, "weight of the confidence head's BCE on the analytic "
+                                                      "acceptance 1 - TV"),
+                  ("--head-lr-scale", 10.0, float, "learning rate of the Markov and confidence heads, in "
+                                                   "multiples of --lr")),
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,11 +90,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cross-entropy on its greedy token (0: cross-entropy only). The target's logits come from "
                         "its deepest captured layer through its remaining layers, run in PyTorch (llama, qwen3)")
     p.add_argument("--variant", choices=sorted(VARIANTS), default=DFLASH1.name,
-                   help="draft variant: dflash (DFlash 1) or dflash2 (DFlash 2: grouped dynamic convolutions around "
+                   help="draft variant: dflash (DFlash 1), dflash2 (DFlash 2: grouped dynamic convolutions around "
                         "every sublayer and a candidate selector, trained with its own loss; --init of a DFlash 1 "
-                        "draft starts from identity convolutions, so step 0 drafts what that draft drafts)")
-    for flag, default, what in DFLASH2_FLAGS:
-        p.add_argument(flag, type=int, default=None, help=f"DFlash 2: {what} (default {default})")
+                        "draft starts from identity convolutions, so step 0 drafts what that draft drafts) or dspark "
+                        "(DSpark: a Markov head on the logits and a confidence head, the paper's loss; --init of a "
+                        "DFlash 1 draft with --block-layout dflash starts from a zero Markov bias)")
+    for variant, flags in VARIANT_FLAGS.items():
+        title = VARIANTS[variant].title
+        for flag, default, kind, what in flags:
+            if isinstance(kind, tuple):
+                p.add_argument(flag, choices=kind, default=None, help=f"{title}: {what} (default {default})")
+            else:
+                p.add_argument(flag, type=finite_float if kind is float else kind, default=None,
+                               help=f"{title}: {what} (default {default})")
     p.add_argument("--eval-every", type=int, default=200)
     add_seed_arg(p, "seed of the prompt list, the target's sampling and training")
     add_threads_arg(p)
@@ -149,22 +171,36 @@ def _check_arguments(args: argparse.Namespace, target: Path) -> list[int]:
 
 
 def _check_variant(args: argparse.Namespace, target: Path) -> None:
-    """DFlash 2's flags only with --variant dflash2; there, their defaults filled in and checked."""
+    """A variant's flags only with its --variant; there, their defaults filled in and checked (the others'
+    set to "none": 0)."""
+    for variant, flags in VARIANT_FLAGS.items():
+        for flag, default, kind, _ in flags:
+            dest = flag[2:].replace("-", "_")
+            if args.variant != variant:
+                if getattr(args, dest) is not None:
+                    raise ValueError(f"{flag} is a {VARIANTS[variant].title} setting: give --variant {variant}")
+                setattr(args, dest, 0)
+                continue
+            if getattr(args, dest) is None:
+                setattr(args, dest, default)
+            value = getattr(args, dest)
+            if kind is int and value < 1:
+                raise ValueError(f"{flag} must be positive, got {value}")
+            if kind is float and value < 0:
+                raise ValueError(f"{flag} must be >= 0, got {value}")
+    if args.variant == DFLASH2.name:
+        _check_dflash2(args, target)
+    if args.variant == DSPARK.name:
+        if args.draft_vocab:
+            raise ValueError("--draft-vocab with --variant dspark is not supported yet (a DSpark draft's Markov "
+                             "head spans the whole vocabulary here)")
+        if args.tv_weight > 1:
+            raise ValueError(f"--tv-weight is a weight between 0 and 1, got {args.tv_weight}")
+
+
+def _check_dflash2(args: argparse.Namespace, target: Path) -> None:
     import dflash_llama
 
-    dests = [flag[2:].replace("-", "_") for flag, _, _ in DFLASH2_FLAGS]
-    if args.variant != DFLASH2.name:
-        given = [flag for (flag, _, _), dest in zip(DFLASH2_FLAGS, dests) if getattr(args, dest) is not None]
-        if given:
-            raise ValueError(f"{given[0]} is a DFlash 2 setting: give --variant {DFLASH2.name}")
-        for dest in dests:
-            setattr(args, dest, 0)
-        return
-    for (flag, default, _), dest in zip(DFLASH2_FLAGS, dests):
-        if getattr(args, dest) is None:
-            setattr(args, dest, default)
-        if getattr(args, dest) < 1:
-            raise ValueError(f"{flag} must be positive, got {getattr(args, dest)}")
     info = dflash_llama.gguf_info(target)
     n_embd = int(info.metadata.get(f"{info.architecture}.embedding_length", 0))
     if n_embd and n_embd % args.conv_group_size:
@@ -225,6 +261,10 @@ def _train(args: argparse.Namespace, target: Path, data: Path, layer_ids: list[i
                       distill=args.distill, eval_every=args.eval_every, seed=args.seed,
                       conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
                       selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
+                      markov_rank=args.markov_rank, confidence_head=args.confidence_head == "on",
+                      sample_from_anchor=args.block_layout == "anchor-first",
+                      **({"tv_weight": args.tv_weight, "confidence_weight": args.confidence_weight,
+                          "head_lr_scale": args.head_lr_scale} if args.variant == DSPARK.name else {}),
                       bf16=cpu_has_bf16())  # resolved here so that train_log.json records it
     log = train([data, *args.extra_data], target, args.out, cfg, threads=args.threads, init=args.init)
     summary = {"steps": log.steps[-1] if log.steps else 0, "final_loss": log.loss[-1] if log.loss else None,

@@ -53,6 +53,7 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
         f"- block size {cfg['block_size']}, mask token {dc['mask_token_id']}{_token_text(target, dc['mask_token_id'])}, "
         f"target layers {dc['target_layer_ids']} of {cfg['num_target_layers']}",
         *_dflash2_heads(dc),
+        *_dspark_heads(dc),
         "",
         "## Data",
         "",
@@ -77,7 +78,7 @@ def write_model_card(ckpt: Path, data_dirs: list[Path]) -> Path:
                   f"   - {st.get('steps')} optimizer steps of {c.get('batch', '?')} sequences x {c.get('anchors', '?')} "
                   f"anchor blocks, {st.get('wall_s', 0) / 60:.0f} min wall time{_threads(st)}{_autocast(c)}; "
                   f"AdamW lr {c.get('lr', '?')} with {100 * c.get('warmup', 0):.0f}% warmup and cosine decay, "
-                  f"{_loss_vocabulary(c, st.get('draft_vocab_size'))}{_distill(c)}{_gamma(c)}{_selector(c, i)}; final loss {st.get('final_loss') or float('nan'):.3f}, held-out "
+                  f"{_loss_vocabulary(c, st.get('draft_vocab_size'))}{_distill(c)}{_gamma(c)}{_selector(c, i)}{_dspark_loss(c, i)}; final loss {st.get('final_loss') or float('nan'):.3f}, held-out "
                   f"{_heldout_measure(c)} tau (greedy, full vocabulary) {st.get('heldout_tau') or float('nan'):.3f}"] + ([f"   - {st['note']}"] if st.get("note") else [])
     if stages:
         lines += ["", "Recipe: random anchors in the responses, per-block attention masks, position weights "
@@ -131,6 +132,34 @@ def _dflash2_heads(dc: dict) -> list[str]:
             f"({dc['conv_kernel_size']} taps, {dc['conv_group_size']} channels per dynamic coefficient), and a "
             f"candidate selector of rank {dc['selector_rank']} walking the top {dc['selector_top_k']} candidates "
             f"of each draft slot"]
+
+
+def _dspark_heads(dc: dict) -> list[str]:
+    if not dc.get("markov_rank"):
+        return []
+    conf = ", and a confidence head (each slot's chance of acceptance, from [hidden ; W1 row])" \
+        if dc.get("enable_confidence_head") else ""
+    layout = ("anchor-first block: B inputs give B drafts" if dc.get("sample_from_anchor", True)
+              else "DFlash 1's block layout: B inputs give B - 1 drafts")
+    return [f"- DSpark heads: a vanilla Markov head of rank {dc['markov_rank']} (a bias on each slot's logits from "
+            f"the token before it){conf}; {layout}"]
+
+
+def _dspark_loss(c: dict, stage: int) -> str:
+    """A DSpark stage's loss, and where its heads started."""
+    if not c.get("markov_rank"):
+        return ""
+    tv, conf = c.get("tv_weight", 0.9), c.get("confidence_weight", 1.0)
+    flags = (f"`--variant dspark --markov-rank {c['markov_rank']} --confidence-head "
+             f"{'on' if c.get('confidence_head') else 'off'} --block-layout "
+             f"{'anchor-first' if c.get('sample_from_anchor') else 'dflash'} --tv-weight {tv:g} "
+             f"--confidence-weight {conf:g} --head-lr-scale {c.get('head_lr_scale', 10.0):g}`")
+    start = (" (the DFlash 1 checkpoint before it as a DSpark draft: a zero Markov bias, so its first step "
+             "drafts what that checkpoint drafts)") if stage else ""
+    return (f", all on the Markov-biased logits (teacher-forced: each slot's bias from the true token before it) "
+            f"and mixed as DSpark's paper mixes them: {1 - tv:g} x that loss + {tv:g} x the total variation from "
+            f"the target's distribution + {conf:g} x the confidence head's BCE on the analytic acceptance 1 - TV, "
+            f"the heads at {c.get('head_lr_scale', 10.0):g} x the learning rate ({flags}){start}")
 
 
 def _selector(c: dict, stage: int) -> str:

@@ -68,6 +68,13 @@ class TrainConfig:
     selector_rank: int = 0
     selector_top_k: int = 0
     selector_weight: float = 1.0  # weight of the selector's loss beside the draft loss
+    # DSpark (schema.DSPARK) when markov_rank > 0: its Markov head, optional confidence head, block layout
+    markov_rank: int = 0
+    confidence_head: bool = False
+    sample_from_anchor: bool = False
+    tv_weight: float = 0.9  # the paper's loss: (1 - tv_weight) x the draft loss + tv_weight x TV + ...
+    confidence_weight: float = 1.0  # ... + confidence_weight x BCE(confidence, 1 - TV)
+    head_lr_scale: float = 10.0  # the DSpark heads' learning rate, in multiples of lr
 
     def resolved_gamma(self) -> float:
         if self.gamma > 0:
@@ -83,7 +90,9 @@ def draft_config(cfg: TrainConfig, t: TargetWeights) -> DraftConfig:
         mask_token_id=cfg.mask_token_id, target_layer_ids=list(cfg.target_layer_ids),
         block_size=cfg.block_size, rms_eps=1e-6, rope_freq_base=t.rope_theta,
         n_layer_target=t.n_layers, n_ctx_train=8192, conv_kernel_size=cfg.conv_kernel_size,
-        conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
+        conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k,
+        markov_rank=cfg.markov_rank, has_confidence_head=cfg.confidence_head,
+        sample_from_anchor=cfg.sample_from_anchor)
 
 
 def init_draft(dcfg: DraftConfig, seed: int) -> DFlashDraft:
@@ -98,6 +107,11 @@ def init_draft(dcfg: DraftConfig, seed: int) -> DFlashDraft:
         for conv in draft.modules():
             if isinstance(conv, GroupedDynamicConv):
                 identity_conv(conv)
+        if draft.markov_head is not None:  # a zero bias to start from, rows of unit scale to move it
+            torch.nn.init.normal_(draft.markov_head.markov_w1.weight, std=1.0)
+            draft.markov_head.markov_w2.weight.zero_()
+        if draft.confidence_head is not None:
+            draft.confidence_head.proj.bias.zero_()
     return draft
 
 
@@ -149,8 +163,8 @@ class Batch:
     tokens: torch.Tensor  # [L]
     feats: torch.Tensor  # [L, F]
     anchors: torch.Tensor  # [M]
-    targets: torch.Tensor  # [M, B-1], -1 past the sequence end
-    teacher: torch.Tensor | None = None  # [M, B-1, H] the target's final hidden state before each target
+    targets: torch.Tensor  # [M, n] (n drafted slots: B-1, or B anchor-first), -1 past the sequence end
+    teacher: torch.Tensor | None = None  # [M, n, H] the target's final hidden state before each target
 
 
 def attach_teacher(b: Batch, tail, tap: slice) -> Batch:
@@ -166,7 +180,8 @@ def attach_teacher(b: Batch, tail, tap: slice) -> Batch:
 
 
 def make_batch(tokens: np.ndarray, prompt_len: int, feats: np.ndarray, block_size: int, n_anchors: int,
-               rng: random.Random) -> Batch | None:
+               rng: random.Random, anchor_first: bool = False) -> Batch | None:
+    """`n_anchors` random blocks of one sequence; anchor_first: slot 0 drafts too (B targets a block)."""
     L = len(tokens)
     candidates = list(range(max(prompt_len, 1), L - 1))  # anchors in the response, one target at least
     if not candidates:
@@ -174,28 +189,38 @@ def make_batch(tokens: np.ndarray, prompt_len: int, feats: np.ndarray, block_siz
     anchors = sorted(rng.sample(candidates, min(n_anchors, len(candidates))))
     tok = torch.from_numpy(tokens.astype(np.int64))
     anchors = torch.tensor(anchors)
-    return Batch(tok, torch.from_numpy(feats.astype(np.float32)), anchors, block_targets(tok, anchors, block_size))
+    return Batch(tok, torch.from_numpy(feats.astype(np.float32)), anchors,
+                 block_targets(tok, anchors, block_size, anchor_first))
 
 
-def block_targets(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[M, B-1]: block position k of the block at anchor a predicts token a + k; -1 past the end."""
+def block_targets(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                  anchor_first: bool = False) -> torch.Tensor:
+    """[M, n]: the j-th drafted slot of the block at anchor a predicts token a + j + 1 (n = B - 1, DFlash's
+    slots 1..B-1; anchor-first n = B, slots 0..B-1); -1 past the end."""
     L = len(tokens)
-    idx = anchors[:, None] + torch.arange(1, block_size)[None, :]
+    idx = anchors[:, None] + torch.arange(1, block_size + anchor_first)[None, :]
     return torch.where(idx < L, tokens[idx.clamp(max=L - 1)], torch.tensor(-1))
 
 
-def position_weights(block_size: int, gamma: float) -> torch.Tensor:
-    k = torch.arange(1, block_size, dtype=torch.float32)
-    return torch.exp(-(k - 1) / gamma)  # [B-1]
+def drafted_states(draft: DFlashDraft, feats: torch.Tensor, tokens: torch.Tensor,
+                   anchors: torch.Tensor) -> torch.Tensor:
+    """[M, n, H]: `block_hidden` of the drafted slots only (all B anchor-first, else 1..B-1)."""
+    return block_hidden(draft, feats, tokens, anchors)[:, 0 if draft.config.sample_from_anchor else 1:]
+
+
+def position_weights(block_size: int, gamma: float, anchor_first: bool = False) -> torch.Tensor:
+    k = torch.arange(1, block_size + anchor_first, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)  # [n]
 
 
 def batch_loss(draft: DFlashDraft, b: Batch, weights: torch.Tensor, vocab: torch.Tensor | None,
                vocab_index: torch.Tensor | None, distill: float = 0.0,
-               selector_weight: float = 1.0) -> torch.Tensor:
-    """Weighted cross-entropy over block positions 1..B-1 (over `vocab` if given), mixed with
+               selector_weight: float = 1.0, dspark: tuple[float, float] = (0.9, 1.0)) -> torch.Tensor:
+    """Weighted cross-entropy over the drafted slots (over `vocab` if given), mixed with
     KL(target || draft) at weight `distill` when the batch carries the target's hidden states;
-    a DFlash 2 draft adds its selector's loss (`selector_loss`) at weight `selector_weight`."""
-    y = block_hidden(draft, b.feats, b.tokens, b.anchors)[:, 1:]  # [M, B-1, H]
+    a DFlash 2 draft adds its selector's loss (`selector_loss`) at weight `selector_weight`; a DSpark
+    draft's logits carry its Markov bias, and its loss is `dspark_loss` (weights: TV, confidence)."""
+    y = drafted_states(draft, b.feats, b.tokens, b.anchors)  # [M, n, H]
     valid = b.targets >= 0
     targets = b.targets.clamp(min=0)
     head = draft.lm_head
@@ -212,16 +237,58 @@ def batch_loss(draft: DFlashDraft, b: Batch, weights: torch.Tensor, vocab: torch
         logits = y @ head.T
         targets = torch.where(valid, index[targets], 0)  # masked positions weigh 0 anyway
     logits = draft.finish_logits(logits)
+    if draft.markov_head is not None:
+        logits = logits + markov_bias(draft, b, cols)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
-    if distill > 0 and b.teacher is not None:
+    t_logp = None
+    if b.teacher is not None and (distill > 0 or draft.markov_head is not None):
         with torch.no_grad():
             t_logp = F.log_softmax((b.teacher @ head.T).float(), dim=-1)
+    if distill > 0 and t_logp is not None:
         kl = (t_logp.exp() * (t_logp - F.log_softmax(logits.float(), dim=-1))).sum(-1)
         ce = (1 - distill) * ce + distill * kl.reshape(-1)
     w = (weights[None, :] * valid).reshape(-1)
+    if draft.markov_head is not None:
+        ce = dspark_loss(draft, ce, y, logits, targets, t_logp, b, dspark)
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
     if draft.candidate_selector is not None and selector_weight > 0:
         loss = loss + selector_weight * selector_loss(draft, y, logits, cols, b, weights)
+    return loss
+
+
+def slot_predecessors(b: Batch) -> torch.Tensor:
+    """[M, n]: the true token before each drafted slot (the anchor, then the targets before it), the
+    Markov head's `prev` when every earlier draft was right: the only case acceptance depends on."""
+    n = b.targets.shape[1]
+    return b.tokens[(b.anchors[:, None] + torch.arange(n)[None, :]).clamp(max=len(b.tokens) - 1)]
+
+
+def markov_bias(draft: DFlashDraft, b: Batch, cols: torch.Tensor | None) -> torch.Tensor:
+    """[M, n, C]: the Markov head's bias on each drafted slot, teacher-forced (`slot_predecessors`),
+    over the logit columns `cols` (None: the whole vocabulary)."""
+    head = draft.markov_head
+    w2 = head.markov_w2.weight if cols is None else head.markov_w2.weight[cols]
+    return head.markov_w1(slot_predecessors(b)) @ w2.T
+
+
+def dspark_loss(draft: DFlashDraft, ce: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor,
+                t_logp: torch.Tensor | None, b: Batch, weights: tuple[float, float]) -> torch.Tensor:
+    """DSpark's per-slot loss (the paper's eqs. 9-12), flat [M*n]: (1 - tv) x `ce` (the draft loss on the
+    biased logits) + tv x TV(p_draft, p_target) + conf x BCE(confidence, 1 - TV), TV = 1/2 |p_d - p_t|_1
+    and 1 - TV the analytic acceptance of the slot's token. p_target: the target's distribution (with a
+    teacher, `--distill`), else its greedy token (one-hot: TV = 1 - p_d(token))."""
+    tv_weight, conf_weight = weights
+    p_d = F.softmax(logits.float(), dim=-1)
+    if t_logp is not None:
+        tv = 0.5 * (p_d - t_logp.exp()).abs().sum(-1)
+    else:
+        tv = 1.0 - p_d.gather(-1, targets[..., None]).squeeze(-1)
+    loss = (1 - tv_weight) * ce + tv_weight * tv.reshape(-1)
+    if draft.confidence_head is not None and conf_weight > 0:
+        rows = draft.markov_head.markov_w1(slot_predecessors(b))
+        conf_logit = draft.confidence_head.proj(torch.cat([y, rows.to(y.dtype)], dim=-1)).squeeze(-1).float()
+        bce = F.binary_cross_entropy_with_logits(conf_logit, (1.0 - tv).detach(), reduction="none")
+        loss = loss + conf_weight * bce.reshape(-1)
     return loss
 
 
@@ -255,11 +322,14 @@ def selector_loss(draft: DFlashDraft, y: torch.Tensor, logits: torch.Tensor, col
 def greedy_accepted(draft: DFlashDraft, feats: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
                     targets: torch.Tensor) -> torch.Tensor:
     """[M]: how many of each block's greedy drafts (full vocabulary) match `targets` before the first miss."""
-    y = block_hidden(draft, feats, tokens, anchors)[:, 1:]
+    y = drafted_states(draft, feats, tokens, anchors)
     accepted = torch.zeros(len(anchors), dtype=torch.long)
     alive = torch.arange(len(anchors))  # blocks whose drafts matched so far
     for k in range(y.shape[1]):  # position by position: the head runs only where it still matters
-        pred = draft.finish_logits(y[alive, k] @ draft.lm_head.T).argmax(-1)
+        logits = draft.finish_logits(y[alive, k] @ draft.lm_head.T)
+        if draft.markov_head is not None:  # every earlier draft matched: the true token is the chain's prev
+            logits = logits + draft.markov_head(tokens[(anchors[alive] + k).clamp(max=len(tokens) - 1)])
+        pred = logits.argmax(-1)
         alive = alive[(pred == targets[alive, k]) & (targets[alive, k] >= 0)]
         if not len(alive):
             break
@@ -287,7 +357,8 @@ def replay_tau(draft: DFlashDraft, sequences, chunk: int = 64) -> tuple[float, i
         feats = torch.from_numpy(np.asarray(feats, dtype=np.float32))
         accepted = torch.zeros(L, dtype=torch.long)
         for anchors in torch.arange(prompt_len, L - 1).split(chunk):
-            accepted[anchors] = greedy_accepted(draft, feats, tok, anchors, block_targets(tok, anchors, B))
+            accepted[anchors] = greedy_accepted(draft, feats, tok, anchors,
+                                                block_targets(tok, anchors, B, draft.config.sample_from_anchor))
         steps += len(replay_anchors(accepted.tolist(), prompt_len))
         produced += L - 1 - prompt_len  # a last step's tokens past the end are not produced
     return (produced / steps if steps else 0.0), steps
@@ -408,18 +479,21 @@ def _load_init(draft: DFlashDraft, init: str | os.PathLike, t: TargetWeights) ->
     layer with its output projections (o_proj, down_proj) zeroed, so it adds nothing to the residual
     stream and the grown draft computes exactly what the checkpoint computed until training moves it.
     A DFlash 1 checkpoint into a DFlash 2 draft keeps the draft's identity convolutions and small
-    random selector (`init_draft`): its logits are the checkpoint's until training moves them.
+    random selector, into a DSpark draft its zero Markov bias (`init_draft`): its logits are the
+    checkpoint's until training moves them (a DSpark draft: with the same block layout).
     """
     from dflash_llama.reference.checkpoint import load_draft
 
     start = load_draft(init, t.embed_tokens, t.lm_head)
     mine, theirs = draft.config, start.config
-    if theirs.variant.has(L.CONV) and not mine.variant.has(L.CONV):
+    if set(theirs.variant.heads) - set(mine.variant.heads):
         raise ValueError(f"--init {init}: it is a {theirs.variant.title} draft, this training's a "
                          f"{mine.variant.title} one (give --variant {theirs.variant.name})")
     keys = ["n_embd", "n_ff", "n_head", "n_head_kv", "block_size", "target_layer_ids"]
     if theirs.variant.has(L.CONV):
         keys += ["conv_kernel_size", "conv_group_size", "selector_rank"]
+    if theirs.variant.has(L.MARKOV):
+        keys += ["markov_rank", "sample_from_anchor"]
     for key in keys:
         if getattr(mine, key) != getattr(theirs, key):
             raise ValueError(f"--init {init}: its {key} is {getattr(theirs, key)}, this training's is "
@@ -436,7 +510,9 @@ def _load_init(draft: DFlashDraft, init: str | os.PathLike, t: TargetWeights) ->
     if theirs.variant is mine.variant:
         draft.load_state_dict(state)
         return
-    mine_only = {k for k in draft.state_dict() if k.split(".")[0] == "candidate_selector" or "_conv." in k}
+    mine_only = {k for k in draft.state_dict()
+                 if k.split(".")[0] in ("candidate_selector", "markov_head", "confidence_head") or "_conv." in k}
+    mine_only -= set(state)  # a DSpark checkpoint without a confidence head gives its Markov head
     draft.load_state_dict({**{k: v for k, v in draft.state_dict().items() if k in mine_only}, **state})
 
 
@@ -526,7 +602,10 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
     vocab_index = None if vocab is None else subset_index(vocab, draft.config.n_vocab)
 
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    heads = [p for m in (draft.markov_head, draft.confidence_head) if m is not None for p in m.parameters()]
+    backbone = [p for p in params if all(p is not h for h in heads)]
+    groups = [{"params": backbone}] + ([{"params": heads, "lr": cfg.lr * cfg.head_lr_scale}] if heads else [])
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     total_steps = int(cfg.epochs * len(train_ids) / cfg.batch)  # 0: just write the (init) weights
     sched = lr_schedule(opt, cfg.warmup, total_steps)
 
@@ -540,7 +619,7 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
         step, log = state["step"], TrainLog(**state["log"])
         rng.setstate(state["rng"])
 
-    weights = position_weights(cfg.block_size, cfg.resolved_gamma())
+    weights = position_weights(cfg.block_size, cfg.resolved_gamma(), cfg.sample_from_anchor)
     bf16 = cpu_has_bf16() if cfg.bf16 is None else cfg.bf16
     tail, tap = distill_teacher(cfg, target_gguf, t) if cfg.distill > 0 else (None, None)
     heldout = [sequences[i] for i in heldout_ids]
@@ -552,14 +631,15 @@ def train(data_dirs: str | os.PathLike | list, target_gguf: str | os.PathLike, o
         opt.zero_grad()
         loss_sum = 0.0
         for _ in range(cfg.batch):
-            b = make_batch(*sequences[rng.choice(train_ids)], cfg.block_size, cfg.anchors, rng)
+            b = make_batch(*sequences[rng.choice(train_ids)], cfg.block_size, cfg.anchors, rng,
+                           cfg.sample_from_anchor)
             if b is None:
                 continue
             if tail is not None:
                 attach_teacher(b, tail, tap)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = batch_loss(draft, b, weights, vocab, vocab_index, cfg.distill,
-                                  cfg.selector_weight) / cfg.batch
+                loss = batch_loss(draft, b, weights, vocab, vocab_index, cfg.distill, cfg.selector_weight,
+                                  (cfg.tv_weight, cfg.confidence_weight)) / cfg.batch
             loss.backward()
             loss_sum += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, cfg.clip)
