@@ -242,6 +242,19 @@ def render(res: dict, command: str, plots: list[str]) -> str:
                 f"{pol['probes']} | {_f(pol['mean_draft'], 2)} | "
                 f"{_f(it['speedup_vs_runtime-ar'], 3, 'x')} | {_f(it['median_prompt_speedup_vs_runtime-ar'], 3, 'x')} |")
         add("")
+        gated = [it for it in adaptive if it["policy"].get("confidence_steps") or it["policy"].get("confidence_cut")]
+        if gated:
+            add("With a confidence head (DSpark), the loop cuts each draft where its confidences, calibrated online "
+                "against what the target accepts, stop paying (`--draft-confidence`). Over the drafts it let through: "
+                "what they accepted, and what the calibrated confidences and the loop's own estimate per block "
+                "position expected before each verify.\n")
+            add("| method | slots cut | drafts verified | accepted | expected by confidence | expected by position |")
+            add("|---|---:|---:|---:|---:|---:|")
+            for it in gated:
+                pol = it["policy"]
+                add(f"| {it['label']} | {pol['confidence_cut']} | {pol['confidence_steps']} | "
+                    f"{pol['confidence_accepted']} | {pol['confidence_expected']:.1f} | {pol['position_expected']:.1f} |")
+            add("")
         line = loop_costs_line(cm.get("loop_step_costs"))
         if line:
             add(line + "\n")

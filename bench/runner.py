@@ -10,8 +10,10 @@ Methods (each a row per prompt):
 - `runtime-b{B}-n{N}`: the draft's trained block B verifying only N drafted tokens (the cost
   model's pick with `--draft-max auto`);
 - `runtime-auto`: our adaptive loop (`--draft-max auto`, the default) with its n-gram source, and
-  `runtime-auto-no-ngram` without it (`--ngram off`);
-- `native-b{K}`: llama.cpp's native DFlash, `--spec-draft-n-max K-1` (its block is n_max+1);
+  `runtime-auto-no-ngram` without it (`--ngram off`); with a DSpark draft that has a confidence head,
+  `runtime-auto` uses its confidence gate and `runtime-auto-no-confidence` does not;
+- `native-b{K}`: llama.cpp's native DFlash, `--spec-draft-n-max K-1` (its block is n_max+1; `draft-dspark`
+  for a DSpark draft, K for an anchor-first one, whose block of K drafts K);
 - `chain-b{K}` (with `ngram-mod` among the n-gram types): llama.cpp's chained drafters,
   `--spec-type ngram-mod,draft-dflash` (the first that proposes wins) at `--spec-draft-n-max K-1`;
 - `stock-b{K}`, `stock-spec-ar` (`--stock-build`): the same from a stock build of the pin (ggml-cpu
@@ -62,6 +64,8 @@ class Method:
     adaptive: bool = False  # our runtime's adaptive loop (draft_max="auto"): N chosen step by step
     ngram: bool | None = None  # the adaptive loop's n-gram source (None: its default, on)
     stock: bool = False  # llama.cpp's tool from a stock build of the pin (llamafile's sgemm on)
+    confidence: bool | None = None  # the adaptive loop's confidence gate (None: its default, on with a head)
+    anchor_first: bool = False  # the draft's block of B drafts B tokens (else B - 1)
 
     @property
     def chain(self) -> bool:
@@ -72,7 +76,7 @@ class Method:
     def n_draft(self) -> int | None:
         if self.kind != "dflash":
             return None
-        return self.draft_max if self.draft_max is not None else self.block_size - 1
+        return self.draft_max if self.draft_max is not None else self.block_size - (0 if self.anchor_first else 1)
 
     @property
     def label(self) -> str:
@@ -88,7 +92,8 @@ class Method:
             return f"llama.cpp {self.spec_type}"
         who = "dflash-llama" if self.impl == "dflash-llama" else "llama.cpp native"
         if self.adaptive:
-            return f"{who} DFlash B={self.block_size}, adaptive{', no n-gram' if self.ngram is False else ''}"
+            return (f"{who} DFlash B={self.block_size}, adaptive{', no n-gram' if self.ngram is False else ''}"
+                    f"{', no confidence gate' if self.confidence is False else ''}")
         if self.chain:
             return f"llama.cpp chain {self.spec_type} B={self.block_size}"
         n = f", N={self.draft_max}" if self.draft_max is not None else ""
@@ -129,32 +134,52 @@ def text_matches(text: str, ref: str, ref_stopped: bool) -> tuple[bool, int | No
     return ok, None if ok else first_mismatch(text, ref)
 
 
-def plan_methods(s: Settings, block_size: int, pick: int | None) -> list[Method]:
+@dataclass(frozen=True)
+class DraftKind:
+    """What of the draft changes the plan: llama.cpp's speculative type for it, its block layout, and
+    whether it has a confidence head (DSpark)."""
+
+    native_type: str = "draft-dflash"
+    anchor_first: bool = False
+    confidence_head: bool = False
+
+    @classmethod
+    def of(cls, rt) -> DraftKind:
+        dspark = rt.draft_variant.name == "dspark"
+        return cls("draft-dspark" if dspark else "draft-dflash", rt.sample_from_anchor, rt.has_confidence_head)
+
+
+def plan_methods(s: Settings, block_size: int, pick: int | None, draft: DraftKind = DraftKind()) -> list[Method]:
+    af = draft.anchor_first
     methods = [Method("runtime-ar", "dflash-llama", "autoregressive"),
                Method("llama-completion", "llama.cpp", "autoregressive")]
     if s.native or s.ngram_types:
         methods.append(Method("llama-spec-ar", "llama.cpp", "autoregressive", spec_type="ngram-simple"))
     for k in s.block_sizes:
-        methods.append(Method(f"runtime-b{k}", "dflash-llama", "dflash", block_size=k))
-    methods.append(Method("runtime-auto", "dflash-llama", "dflash", block_size=block_size, adaptive=True))
+        methods.append(Method(f"runtime-b{k}", "dflash-llama", "dflash", block_size=k, anchor_first=af))
+    methods.append(Method("runtime-auto", "dflash-llama", "dflash", block_size=block_size, adaptive=True,
+                          anchor_first=af))
     methods.append(Method("runtime-auto-no-ngram", "dflash-llama", "dflash", block_size=block_size, adaptive=True,
-                          ngram=False))
+                          ngram=False, anchor_first=af))
+    if draft.confidence_head:
+        methods.append(Method("runtime-auto-no-confidence", "dflash-llama", "dflash", block_size=block_size,
+                              adaptive=True, confidence=False, anchor_first=af))
     if pick is not None and not (pick == block_size - 1 and block_size in s.block_sizes):
         methods.append(Method(f"runtime-b{block_size}-n{pick}", "dflash-llama", "dflash", block_size=block_size,
-                              draft_max=pick, auto=s.draft_max == "auto"))
+                              draft_max=pick, auto=s.draft_max == "auto", anchor_first=af))
     native_sizes = [k for k in s.block_sizes if k <= block_size]  # llama.cpp clamps n_max to the trained block
     if s.native:
-        methods += [Method(f"native-b{k}", "llama.cpp", "dflash", block_size=k, spec_type="draft-dflash")
-                    for k in native_sizes]
+        methods += [Method(f"native-b{k}", "llama.cpp", "dflash", block_size=k, spec_type=draft.native_type,
+                           anchor_first=af) for k in native_sizes]
     if s.native and s.stock:  # the same from a stock build, with its own no-draft reference
         methods.append(Method("stock-spec-ar", "llama.cpp", "autoregressive", spec_type="ngram-simple", stock=True))
-        methods += [Method(f"stock-b{k}", "llama.cpp", "dflash", block_size=k, spec_type="draft-dflash", stock=True)
-                    for k in native_sizes]
+        methods += [Method(f"stock-b{k}", "llama.cpp", "dflash", block_size=k, spec_type=draft.native_type,
+                           stock=True, anchor_first=af) for k in native_sizes]
     for t in s.ngram_types:
         methods.append(Method(t, "llama.cpp", "ngram", spec_type=t))
     if s.native and CHAINED_NGRAM in s.ngram_types:
         methods += [Method(f"chain-b{k}", "llama.cpp", "dflash", block_size=k,
-                           spec_type=f"{CHAINED_NGRAM},draft-dflash") for k in native_sizes]
+                           spec_type=f"{CHAINED_NGRAM},{draft.native_type}", anchor_first=af) for k in native_sizes]
     return methods
 
 
@@ -218,6 +243,7 @@ class Bench:
 
         self.rt = Runtime(s.target, s.draft, n_threads=s.threads, n_ctx=s.n_ctx, n_gpu_layers=s.n_gpu_layers)
         self.block_size = self.rt.block_size
+        self.draft_kind = DraftKind.of(self.rt)
         self.tokens = {p.id: self.rt.tokenize(p.text) for p in s.prompts + s.pilot}
         too_long = [(pid, len(t)) for pid, t in self.tokens.items()
                     if len(t) + s.n_predict + max(s.block_sizes + [self.block_size]) > s.n_ctx]
@@ -247,7 +273,7 @@ class Bench:
     def count_runs(self) -> dict[str, int]:
         """Measurements per phase, for the progress bar (before the pick is known: assume one more row)."""
         b = self.block_size
-        n_methods = len(plan_methods(self.s, b, pick=1 if b > 2 else None))
+        n_methods = len(plan_methods(self.s, b, pick=1 if b > 2 else None, draft=self.draft_kind))
         return {
             "warmup": 2,
             "cost_model": len(self.s.pilot) * (1 + (b - 1)) + len(self.s.pilot),
@@ -301,7 +327,8 @@ class Bench:
             row["_tokens"], row["_text"] = g.tokens, g.text
         elif m.impl == "dflash-llama":
             g = self.rt.generate(toks, s.n_predict, block_size=m.block_size,
-                                 draft_max="auto" if m.adaptive else m.draft_max, ngram=m.ngram)
+                                 draft_max="auto" if m.adaptive else m.draft_max, ngram=m.ngram,
+                                 confidence=m.confidence)
             row = _runtime_row(m, g)
             row["_tokens"], row["_text"] = g.tokens, g.text
         elif m.key == "llama-completion":
@@ -454,8 +481,8 @@ class Bench:
             raise ValueError(f"--draft-max {pick} exceeds the draft's block: "
                              f"at most {self.block_size - 1} drafted tokens")
         self.pick = cm["used_n_draft"] = pick
-        methods = plan_methods(s, self.block_size, pick)
-        assumed = len(plan_methods(s, self.block_size, 1 if self.block_size > 2 else None))
+        methods = plan_methods(s, self.block_size, pick, self.draft_kind)
+        assumed = len(plan_methods(s, self.block_size, 1 if self.block_size > 2 else None, self.draft_kind))
         self.retotal((len(methods) - assumed) * len(s.prompts))
 
         def fits(rows: list[dict], per_prompt_s: float) -> bool:
@@ -582,7 +609,13 @@ def _pooled_policy(policies: list[dict]) -> dict | None:
             "probes": sum(p["probes"] for p in policies),
             "plain_share": plain / (plain + drafting + ngram) if plain + drafting + ngram else None,
             "mean_draft": drafted / drafting if drafting else None,
-            "median_predicted_tokens_per_second": statistics.median(p["predicted_tokens_per_second"] for p in policies)}
+            "median_predicted_tokens_per_second": statistics.median(p["predicted_tokens_per_second"] for p in policies),
+            **{k: sum(p.get(k, 0) for p in policies) for k in CONFIDENCE_FIELDS}}
+
+
+# the confidence gate's counts in a Policy, summed over prompts
+CONFIDENCE_FIELDS = ("confidence_steps", "confidence_cut", "confidence_expected", "position_expected",
+                     "confidence_accepted")
 
 
 def ratios(rows: list[dict], methods: list[Method], block_size: int) -> list[dict]:

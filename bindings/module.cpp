@@ -96,6 +96,7 @@ void bind_generate_params(nb::module_ & m) {
         .def_rw("draft_max", &generate_params::draft_max)
         .def_rw("draft_p_min", &generate_params::draft_p_min)
         .def_rw("ngram", &generate_params::ngram)
+        .def_rw("confidence", &generate_params::confidence)
         .def_rw("stop_tokens", &generate_params::stop_tokens)
         .def_rw("stop_at_eog", &generate_params::stop_at_eog);
 }
@@ -124,7 +125,12 @@ void bind_policy_summary(nb::module_ & m) {
         .def_ro("plain_ms", &policy_summary::plain_ms)
         .def_prop_ro("mean_draft", &policy_summary::mean_draft)
         .def_prop_ro("plain_share", &policy_summary::plain_share)
-        .def_prop_ro("predicted_tokens_per_second", &policy_summary::predicted_tokens_per_second);
+        .def_prop_ro("predicted_tokens_per_second", &policy_summary::predicted_tokens_per_second)
+        .def_ro("confidence_steps", &policy_summary::confidence_steps)
+        .def_ro("confidence_cut", &policy_summary::confidence_cut)
+        .def_ro("confidence_expected", &policy_summary::confidence_expected)
+        .def_ro("position_expected", &policy_summary::position_expected)
+        .def_ro("confidence_accepted", &policy_summary::confidence_accepted);
 }
 
 // The adaptive loop's chooser on its own, fed synthetic costs by the tests.
@@ -152,6 +158,10 @@ void bind_draft_policy(nb::module_ & m) {
         .def("observe_draft", &draft_policy::observe_draft, "n"_a, "accepted"_a, "t_draft_ms"_a, "t_verify_ms"_a)
         .def("expected_tokens", &draft_policy::expected_tokens, "n"_a)
         .def("perfect_speedup", &draft_policy::perfect_speedup)
+        .def("gate_begin", &draft_policy::gate_begin, "n"_a)
+        .def("keep_slot", &draft_policy::keep_slot, "i"_a, "c"_a)
+        .def("observe_confidence", &draft_policy::observe_confidence, "conf"_a, "accepted"_a, "settled"_a, "shadow"_a)
+        .def("calibrated", [](const draft_policy & p, float c) { return p.calibration()(c); }, "c"_a)
         .def("expected_ms", &draft_policy::expected_ms, "n"_a)
         .def_prop_ro("summary", &draft_policy::summary);
 }

@@ -64,6 +64,8 @@ void print_usage(const char * argv0) {
         "                           slot whose confidence is below P (default: 0 = never)\n"
         "  --ngram on|off           with --draft-max auto, also verify continuations of the text so far found\n"
         "                           by n-gram lookup (the last 4 down to 2 tokens), no draft forward (default: on)\n"
+        "  --draft-confidence on|off  with --draft-max auto and a confidence head (DSpark): cut each draft where\n"
+        "                           its calibrated confidences stop paying, before the verify (default: on)\n"
         "  --draft-head compact|target  the head the draft proposes through: compact, a Q4_0 copy of the\n"
         "                           target's (cheaper; made at load when the target's is larger), or the\n"
         "                           target's own (as the reference computes it) (default: compact)\n"
@@ -171,6 +173,11 @@ cli_args parse_args(int argc, char ** argv) {
             if (v != "on" && v != "off") usage_error("--ngram must be on or off, got '" + v + "'");
             a.gen.ngram = v == "on";
         }
+        else if (flag == "--draft-confidence") {
+            const std::string v = value();
+            if (v != "on" && v != "off") usage_error("--draft-confidence must be on or off, got '" + v + "'");
+            a.gen.confidence = v == "on";
+        }
         else if (flag == "--draft-head") {
             const std::string v = value();
             if (v != "compact" && v != "target") usage_error("--draft-head must be compact or target, got '" + v + "'");
@@ -237,7 +244,10 @@ void print_json(const dflash::generate_result & r, const std::string & text) {
            << ", \"ngram_accepted\": " << p.ngram_accepted << ", \"draft_tau\": " << p.draft_tau()
            << ", \"probes\": " << p.probes << ", \"shadow_probes\": " << p.shadow_probes
            << ", \"calibration_ms\": " << p.calibration_ms << ", \"mean_draft\": " << p.mean_draft() << ", \"predicted_tokens_per_second\": "
-           << p.predicted_tokens_per_second() << "}";
+           << p.predicted_tokens_per_second() << ", \"confidence_steps\": " << p.confidence_steps
+           << ", \"confidence_cut\": " << p.confidence_cut << ", \"confidence_expected\": " << p.confidence_expected
+           << ", \"position_expected\": " << p.position_expected << ", \"confidence_accepted\": "
+           << p.confidence_accepted << "}";
     }
     ss << "}";
     std::printf("%s\n", ss.str().c_str());
@@ -295,6 +305,12 @@ void print_stats(const dflash::generate_result & r, const dflash::draft_hparams 
                          p.probes, p.shadow_probes, p.mean_draft(), p.draft_steps, p.predicted_tokens_per_second());
             std::fprintf(stderr, "steps:            %d plain, %d draft (tau %.2f), %d n-gram (acc %.2f)\n", p.plain_steps,
                          p.draft_steps, p.draft_tau(), p.ngram_steps, p.ngram_acceptance());
+            if (p.confidence_steps > 0 || p.confidence_cut > 0) {
+                std::fprintf(stderr, "confidence gate:  %lld slots cut; over %d verified drafts, accepted %lld, expected "
+                                     "%.1f by the calibrated confidences, %.1f by position\n",
+                             (long long) p.confidence_cut, p.confidence_steps, (long long) p.confidence_accepted,
+                             p.confidence_expected, p.position_expected);
+            }
             if (p.calibration_ms > 0.0) {
                 std::fprintf(stderr, "step costs:       measured in %.0f ms before the generation (once per run)\n",
                              p.calibration_ms);

@@ -332,4 +332,74 @@ void draft_policy::end_probe() {
     }
 }
 
+confidence_calibration::confidence_calibration() : hits_(kBins, 0.0), tries_(kBins, 0.0) {}
+
+int32_t confidence_calibration::bin(float c) {
+    return std::clamp((int32_t) (c * kBins), 0, kBins - 1);
+}
+
+double confidence_calibration::operator()(float c) const {
+    const int32_t b = bin(c);
+    return (hits_[b] + kPrior * (b + 0.5) / kBins) / (tries_[b] + kPrior);
+}
+
+double confidence_calibration::expected_accepted(const std::vector<float> & conf) const {
+    double run = 1.0, sum = 0.0;
+    for (const float c : conf) {
+        run *= (*this)(c);
+        sum += run;
+    }
+    return sum;
+}
+
+void confidence_calibration::observe(const std::vector<float> & conf, int32_t accepted, bool settled) {
+    const int32_t n = (int32_t) conf.size();
+    if (accepted < 0 || accepted > n) {
+        throw std::invalid_argument("confidence_calibration: " + std::to_string(accepted) + " of " + std::to_string(n) +
+                                    " slots accepted");
+    }
+    for (int32_t b = 0; b < kBins; ++b) {
+        hits_[b]  *= kDecay;
+        tries_[b] *= kDecay;
+    }
+    for (int32_t i = 0; i < std::min(accepted + (settled ? 1 : 0), n); ++i) {
+        tries_[bin(conf[i])] += 1.0;
+        hits_[bin(conf[i])]  += i < accepted ? 1.0 : 0.0;
+    }
+}
+
+void draft_policy::gate_begin(int32_t n) {
+    if (n < 1 || n > max_draft_) {
+        throw std::invalid_argument("draft_policy: a confidence gate over " + std::to_string(n) + " slots");
+    }
+    gate_n_ = n;
+    gate_run_ = gate_tokens_ = 1.0;
+}
+
+bool draft_policy::keep_slot(int32_t i, float c) {
+    if (i < 0 || i >= gate_n_) {
+        throw std::invalid_argument("draft_policy: slot " + std::to_string(i) + " of a gate over " + std::to_string(gate_n_));
+    }
+    const double run = gate_run_ * calibration_(c);
+    const double t_before = draft_ms(gate_n_) + verify_ms(i + 1), extra = verify_ms(i + 2) - verify_ms(i + 1);
+    if (extra > 0.0 && run * t_before <= gate_tokens_ * extra) {
+        summary_.confidence_cut += gate_n_ - i;
+        gate_n_ = 0;
+        return false;
+    }
+    gate_run_ = run;
+    gate_tokens_ += run;
+    return true;
+}
+
+void draft_policy::observe_confidence(const std::vector<float> & conf, int32_t accepted, bool settled, bool shadow) {
+    if (!shadow && !conf.empty()) {
+        summary_.confidence_steps += 1;
+        summary_.confidence_expected += calibration_.expected_accepted(conf);
+        summary_.position_expected   += expected_tokens((int32_t) conf.size()) - 1.0;
+        summary_.confidence_accepted += accepted;
+    }
+    calibration_.observe(conf, accepted, settled);
+}
+
 } // namespace dflash

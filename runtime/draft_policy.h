@@ -25,6 +25,18 @@
 // does not pay is probed as the draft is: at its first proposal, then after 16, 64, 256 proposals
 // passed over.
 //
+// A third signal: a draft with a confidence head (DSpark) scores each drafted slot before the verify.
+// After the draft forward of a drafting step, the chain keeps slot i while the step's expected speed
+// rises with it, each slot's chance of acceptance its calibrated confidence (`confidence_calibration`)
+// chained over the slots before it, the draft forward paid either way:
+//
+//   keep slot i  iff  P_i * T_{i-1} > E_{i-1} * (t_verify(i + 1) - t_verify(i))
+//   P_i = prod_{j<=i} calibrated(c_j),  E_{i-1} = 1 + sum_{j<i} P_j,  T_{i-1} = t_draft + t_verify(i)
+//
+// and cuts the rest (all of it: the verify is a plain decode). The calibration learns from every
+// verified slot and from shadow probes, whose slots are never cut; the summary sets what it expected
+// beside what the position estimate expected and what was accepted.
+//
 // Costs are exponential averages per size; sizes not yet seen are interpolated linearly between
 // seen ones. Acceptance counts decay (by kDecay a step, plain steps too) so that they follow the text
 // and a probe after a long plain stretch is judged mostly on what it sees.
@@ -80,6 +92,11 @@ struct policy_summary {
     int64_t draft_accepted = 0;     // drafted tokens accepted
     int64_t ngram_drafted  = 0;     // n-gram tokens verified
     int64_t ngram_accepted = 0;     // of them accepted
+    int32_t confidence_steps = 0;   // drafting steps whose draft the confidence gate cut to length
+    int64_t confidence_cut   = 0;   // slots it cut
+    double  confidence_expected = 0.0;  // over those steps: accepted tokens expected by the calibrated confidences
+    double  position_expected   = 0.0;  // ... by the acceptance estimate per position (E(N) - 1)
+    int64_t confidence_accepted = 0;    // ... and accepted
     double  predicted_tokens = 0.0; // sum over steps of the expected tokens of the choice
     double  predicted_ms     = 0.0; // sum over steps of its expected time
 
@@ -92,6 +109,28 @@ struct policy_summary {
     double draft_tau() const { return draft_steps > 0 ? 1.0 + (double) draft_accepted / draft_steps : 0.0; }
     double ngram_acceptance() const { return ngram_drafted > 0 ? (double) ngram_accepted / ngram_drafted : 0.0; }
     double predicted_tokens_per_second() const { return predicted_ms > 0.0 ? 1000.0 * predicted_tokens / predicted_ms : 0.0; }
+};
+
+// A confidence head's scores, calibrated online: the chance that the target accepts a drafted slot of
+// raw confidence c given that every slot before it was accepted (the event the head predicts: its
+// Markov predecessor is then the true token), per kBins equal bins of c, a decayed hit rate pulled
+// towards the bin's centre (the head taken at its word) with weight kPrior.
+class confidence_calibration {
+public:
+    confidence_calibration();
+    double operator()(float c) const;
+    // Slots verified in order with these confidences; `accepted` of them were accepted; settled: the
+    // slot after the accepted ones was seen to be rejected (else the sequence ended first).
+    void observe(const std::vector<float> & conf, int32_t accepted, bool settled);
+    double expected_accepted(const std::vector<float> & conf) const;  // sum_i prod_{j<=i} calibrated(c_j)
+
+    static constexpr int32_t kBins  = 10;
+    static constexpr double  kPrior = 2.0;
+    static constexpr double  kDecay = 0.99;
+
+private:
+    static int32_t bin(float c);
+    std::vector<double> hits_, tries_;
 };
 
 class draft_policy {
@@ -121,6 +160,15 @@ public:
     void observe_shadow(int32_t n, int32_t matched, bool settled, double t_draft_ms);
     // The shadow probe asked for could not be drafted (no room left): it ends with nothing observed.
     void drop_shadow();
+
+    // The confidence gate of a drafting step of n (choose()): gate_begin(n) after its draft forward,
+    // then keep_slot(i, c) for its slots in order, until one is refused (the rest are cut).
+    void gate_begin(int32_t n);
+    bool keep_slot(int32_t i, float c);
+    // The confidences of the slots a step verified (before observe_draft) or a shadow probe scored
+    // (before observe_shadow), and how many were accepted: the calibration learns, the summary counts.
+    void observe_confidence(const std::vector<float> & conf, int32_t accepted, bool settled, bool shadow);
+    const confidence_calibration & calibration() const { return calibration_; }
 
     double expected_tokens(int32_t n) const;
     double expected_ms(int32_t n) const;  // 0 while the cost of n cannot be estimated yet
@@ -167,6 +215,10 @@ private:
     bool    ngram_probing_   = false;  // the n-gram step under way is a probe
     int32_t ngram_countdown_ = 0;      // proposals to pass over before the next n-gram probe
     int32_t ngram_wait_      = kProbeFirst / kProbeGrowth;  // the first wait after a probe that does not pay: 16
+    confidence_calibration calibration_;
+    int32_t gate_n_ = 0;        // the drafting step under the gate: its n, the chained chance of its
+    double  gate_run_ = 1.0;    // slots kept so far, and their expected tokens (1 + sum of the chain)
+    double  gate_tokens_ = 1.0;
     policy_summary summary_;
 };
 

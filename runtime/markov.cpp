@@ -52,20 +52,23 @@ float markov_chain::confidence(const float * hidden, const std::vector<float> & 
     return (float) (1.0 / (1.0 + std::exp(-z)));
 }
 
-void markov_chain::walk(const block_output & out, int32_t anchor, int32_t n, const sampling_params & sp, float p_min,
-                        sampler & rng, std::vector<int32_t> & tokens, std::vector<std::vector<float>> & q) const {
+void markov_chain::walk(const block_output & out, int32_t anchor, int32_t n, const sampling_params & sp,
+                        const slot_gate & keep, sampler & rng, std::vector<int32_t> & tokens,
+                        std::vector<std::vector<float>> & q, std::vector<float> * confidences) const {
     const int32_t n_embd = draft_.hparams().n_embd;
-    if (n < 0 || out.logits.size() < (size_t) n * n_vocab_ || (p_min > 0.0f && (conf_ == nullptr ||
-        out.hidden.size() < (size_t) n * n_embd)) || (!sp.greedy() && q.size() < (size_t) n)) {
+    if (n < 0 || out.logits.size() < (size_t) n * n_vocab_ || (conf_ != nullptr &&
+        out.hidden.size() < (size_t) n * n_embd) || (!sp.greedy() && q.size() < (size_t) n)) {
         throw std::logic_error("Markov chain over " + std::to_string(n) + " slots of a shorter block output");
     }
     std::vector<float> w1, b, row(n_vocab_);
     int32_t prev = anchor;
     for (int32_t i = 0; i < n; ++i) {
         w1_row(prev, w1);
-        if (p_min > 0.0f && confidence(out.hidden.data() + (size_t) i * n_embd, w1) < p_min) {
-            return;  // the draft stops before its first slot the head doubts
+        const float c = conf_ != nullptr ? confidence(out.hidden.data() + (size_t) i * n_embd, w1) : -1.0f;
+        if (keep && !keep(i, c)) {
+            return;  // the draft stops before its first slot the gate refuses
         }
+        if (confidences != nullptr && conf_ != nullptr) confidences->push_back(c);
         bias(w1, b);
         const float * logits = out.logits.data() + (size_t) i * n_vocab_;
         for (int32_t v = 0; v < n_vocab_; ++v) row[v] = logits[v] + b[v];

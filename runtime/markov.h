@@ -18,6 +18,7 @@
 #include "sampling.h"
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace dflash {
@@ -26,11 +27,17 @@ class markov_chain {
 public:
     explicit markov_chain(const draft_runner & draft);
 
+    // Whether the chain drafts slot i (0-based) of confidence c (the head's; -1 without one).
+    using slot_gate = std::function<bool(int32_t i, float c)>;
+
     // The chain over the first n slots of `out` from `anchor`, appended to `tokens`; it stops before
-    // the first slot whose confidence is below p_min (0: never). Sampled (sp not greedy): q[i] the
+    // the first slot `keep` refuses (empty: none). With a confidence head, each drafted slot's
+    // confidence is appended to `confidences` (when given). Sampled (sp not greedy): q[i] the
     // distribution slot i's token was drawn from (q must hold n rows).
-    void walk(const block_output & out, int32_t anchor, int32_t n, const sampling_params & sp, float p_min,
-              sampler & rng, std::vector<int32_t> & tokens, std::vector<std::vector<float>> & q) const;
+    void walk(const block_output & out, int32_t anchor, int32_t n, const sampling_params & sp, const slot_gate & keep,
+              sampler & rng, std::vector<int32_t> & tokens, std::vector<std::vector<float>> & q,
+              std::vector<float> * confidences = nullptr) const;
+    bool has_confidence() const { return conf_ != nullptr; }
 
     // The greedy chain over every slot of `out`, with what it read, as trace entries in ggml order:
     // markov_prev [n], markov_bias [n_vocab, n], biased_logits [n_vocab, n] and, with a confidence

@@ -137,6 +137,14 @@ std::pair<int32_t, int32_t> block_shape(const target_runner & target, const draf
     if (params.draft_p_min > 0.0f && !hp.has_confidence_head) {
         throw std::invalid_argument("draft_p_min needs a draft with a confidence head (a DSpark draft's conf_proj)");
     }
+    if (params.confidence.value_or(false) && !hp.has_confidence_head) {
+        throw std::invalid_argument("the confidence gate needs a draft with a confidence head (a DSpark draft's "
+                                    "conf_proj)");
+    }
+    if (!params.adaptive && params.confidence.value_or(false)) {
+        throw std::invalid_argument("the confidence gate is a choice of the adaptive loop (draft_max auto); a fixed "
+                                    "draft length verifies every drafted token (draft_p_min cuts by a threshold)");
+    }
     const int32_t max_draft = hp.max_draft(block_size);
     return { block_size, std::min(params.draft_max.value_or(max_draft), max_draft) };
 }
@@ -179,8 +187,8 @@ struct pending_features {
 // The tokens a block forward drafts for its first n slots and, sampled, the distribution each was
 // drawn from, dense over the target's vocabulary (0 elsewhere): per slot the argmax or a draw from its
 // logits (DFlash 1), the selector's walk from the anchor (DFlash 2, over its K candidates), or the
-// Markov chain from the anchor (DSpark, cut before the first slot whose confidence is below p_min:
-// then fewer than n).
+// Markov chain from the anchor (DSpark, cut before the first slot `keep` refuses: then fewer than n;
+// with a confidence head, each kept slot's confidence in `confidences`).
 struct draft_chooser {
     const draft_runner &              draft;
     const int32_t                     n_vocab;
@@ -198,14 +206,15 @@ struct draft_chooser {
     }
 
     void choose(const block_output & out, int32_t anchor, int32_t n, const sampling_params & sp, sampler & rng,
-                std::vector<int32_t> & tokens, std::vector<std::vector<float>> & q, float p_min = 0.0f) {
+                std::vector<int32_t> & tokens, std::vector<std::vector<float>> & q,
+                const markov_chain::slot_gate & keep = {}, std::vector<float> * confidences = nullptr) {
         q.resize(n);
         if (selector) {
             walk(out, anchor, n, sp, rng, tokens, q);
             return;
         }
         if (chain) {
-            chain->walk(out, anchor, n, sp, p_min, rng, tokens, q);
+            chain->walk(out, anchor, n, sp, keep, rng, tokens, q, confidences);
             return;
         }
         const int32_t n_rows = draft.n_head_rows();  // n_vocab, or a reduced vocabulary's size
@@ -253,19 +262,30 @@ struct spec_loop {
     bool    stopped = false;
     const size_t feature_row = (size_t) draft.hparams().n_taps() * draft.hparams().n_embd;
     std::optional<ngram_index> ngrams;  // the prompt and every committed token (the n-gram source on)
+    draft_policy *          gate = nullptr;  // the adaptive loop's confidence gate (on: its policy)
+    std::vector<float>      confidences;     // of the slots the last propose() kept (a confidence head)
 
     // Draft up to n tokens after `last` in one block forward; they follow `last` in `verify` (fewer
     // when a confidence head cuts the draft). The adaptive loop's block holds only the positions it
     // verifies (n + 1, or n anchor-first): the draft's cost falls with n, and acceptance barely moves
     // (docs/benchmarks.md); a fixed draft length drafts the whole block. Near max_length the block
     // stops at the last position a draft may fill.
-    void propose(int32_t n, std::vector<int32_t> & verify) {
+    // gated: through the confidence gate (a shadow probe's slots are scored whole, never cut).
+    void propose(int32_t n, std::vector<int32_t> & verify, bool gated = true) {
         const int32_t first = draft.hparams().first_draft_slot();
         const int32_t n_block = std::min(params.adaptive ? n + first : block_size, max_length - start - 1 + first);
         std::vector<int32_t> block(n_block, draft.hparams().mask_token_id);
         block[0] = last;
         draft.forward_block(block.data(), n_block, start, block_out, nullptr, n);
-        chooser.choose(block_out, last, n, params.sampling, rng, verify, q, params.draft_p_min);
+        draft_policy * const g = gated ? gate : nullptr;
+        if (g != nullptr) g->gate_begin(n);
+        const float p_min = params.draft_p_min;
+        markov_chain::slot_gate keep;
+        if (p_min > 0.0f || g != nullptr) {
+            keep = [p_min, g](int32_t i, float c) { return c >= p_min && (g == nullptr || g->keep_slot(i, c)); };
+        }
+        confidences.clear();
+        chooser.choose(block_out, last, n, params.sampling, rng, verify, q, keep, &confidences);
     }
 
     // The longest prefix of `drafted` the target agrees with; its own next token in `next`.
@@ -351,7 +371,12 @@ struct spec_loop {
 
     // A shadow probe (greedy only): n proposals after `last`, never verified; the plain steps that
     // follow score them (`score_shadow`). Returns the draft time (with the injection of what waited).
-    struct shadow_probe { std::vector<int32_t> proposals; int32_t matched = 0; double t_draft = 0.0; };
+    struct shadow_probe {
+        std::vector<int32_t> proposals;
+        std::vector<float>   confidences;  // a confidence head's, for the gate's calibration
+        int32_t matched = 0;
+        double  t_draft = 0.0;
+    };
     std::optional<shadow_probe> shadow;
 
     void shadow_step(int32_t n) {
@@ -360,7 +385,8 @@ struct spec_loop {
         const auto t0 = clock_type::now();
         pending.flush(draft);
         shadow_probe probe;
-        propose(n, probe.proposals);
+        propose(n, probe.proposals, /*gated=*/false);
+        probe.confidences = confidences;
         probe.t_draft = ms_since(t0);
         res.stats.t_draft_ms += probe.t_draft;
         if (!probe.proposals.empty()) {  // a confidence head may cut the whole probe
@@ -552,6 +578,9 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
         loop.ngrams->add(prompt);
         loop.ngrams->add(loop.last);
     }
+    if (params.adaptive && hp.has_confidence_head && params.confidence.value_or(true)) {
+        loop.gate = &policy;
+    }
     while (loop.start + 1 < max_length && !loop.stopped) {
         // near max_length the block is shorter (as published), and the last token is a plain step
         const int32_t room = max_length - loop.start - 1;
@@ -572,6 +601,7 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
         } else {
             const auto [t_draft, t_verify, drafted, accepted] = loop.draft_step(n, on_tokens);
             if (drafted > 0) {
+                if (loop.gate != nullptr) policy.observe_confidence(loop.confidences, accepted, true, false);
                 policy.observe_draft(drafted, accepted, t_draft, t_verify);
             } else {  // a confidence head cut the whole draft: the verify was a plain decode
                 policy.observe_plain(t_verify);
@@ -580,6 +610,9 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
         }
         // after a plain or an n-gram step: score a shadow probe, take one asked for
         if (loop.score_shadow()) {
+            if (loop.gate != nullptr) {
+                policy.observe_confidence(loop.shadow->confidences, loop.shadow->matched, true, true);
+            }
             policy.observe_shadow((int32_t) loop.shadow->proposals.size(), loop.shadow->matched, true, loop.shadow->t_draft);
             loop.shadow.reset();
         }

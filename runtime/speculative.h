@@ -31,6 +31,9 @@ struct generate_params {
     // the adaptive loop's n-gram proposal source (ngram.h; unset: on); a fixed draft length drafts
     // every step, so asking for it there is refused
     std::optional<bool>    ngram;
+    // the adaptive loop's confidence gate (draft_policy.h; unset: on where the draft has a confidence
+    // head): after each draft forward it cuts the draft where the calibrated confidences stop paying
+    std::optional<bool>    confidence;
     std::vector<int32_t> stop_tokens;  // in addition to the vocabulary's end-of-generation tokens
     bool    stop_at_eog = true;
 };

@@ -277,3 +277,31 @@ def test_stock_build_needs_native(capsys, tiny_target_gguf, tiny_draft_gguf):
     assert cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tiny_draft_gguf),
                      "--stock-build", "--no-native"]) == 2
     assert "--stock-build runs llama.cpp's native DFlash: it needs --native" in capsys.readouterr().err
+
+
+def test_a_dspark_draft_is_benched_with_and_without_its_confidence_gate(tiny_target_hf, tiny_target_gguf, tmp_path,
+                                                                        monkeypatch):
+    """An anchor-first DSpark draft with a confidence head: our adaptive loop with its confidence gate and
+    without (`runtime-auto-no-confidence`), llama.cpp's `draft-dspark` at each block, whose block of K
+    drafts K tokens; every row exact."""
+    from dflash_llama import fixtures
+    from dflash_llama.converter import convert
+
+    monkeypatch.setenv("DFLASH_LLAMA_CACHE", str(tmp_path / "cache"))
+    hf = fixtures.tiny_draft_hf(tmp_path / "hf", tiny_target_hf, fixtures.TinyDraftConfig(
+        variant="dspark", dtype="float32", target_layer_ids=[1, 2], markov_rank=8, block_size=4, seed=71))
+    draft = convert(hf, tiny_target_gguf, tmp_path / "dspark.gguf", "f32")
+    out = tmp_path / "dspark"
+    rc = cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(draft), "--limit", "1",
+                   "-n", "8", "-t", "1", "--block-sizes", "2,4", "--ngram-types", "none", "--no-server",
+                   "--pilot-prompts", "1", "--calibration-tokens", "4", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "bench.json").read_text())
+    methods = {m["key"]: m for m in res["methods"]}
+    assert {"runtime-auto", "runtime-auto-no-confidence", "native-b2", "native-b4"} <= set(methods)
+    assert methods["native-b4"]["spec_type"] == "draft-dspark" and methods["native-b4"]["n_draft"] == 4
+    assert methods["runtime-b2"]["n_draft"] == 2
+    rows = {r["method"]: r for r in res["rows"]}
+    assert all(r["exact"] is True for r in res["rows"]), [k for k, r in rows.items() if r["exact"] is not True]
+    assert rows["runtime-auto-no-confidence"]["policy"]["confidence_steps"] == 0
+    assert "adaptive, no confidence gate" in (out / "bench.md").read_text()

@@ -305,3 +305,38 @@ def test_an_ngram_source_that_does_not_pay_is_probed_less_and_less():
     # the opening probe, then after 16 and 64 proposals passed over (256 next)
     assert [i for i, c in enumerate(chosen) if c[0] == "ngram"] == [0, 17, 82]
     assert p.summary.ngram_steps == 3 and p.summary.draft_steps == 0
+
+
+def test_the_confidence_gate_keeps_slots_while_they_pay_and_learns_a_head_that_is_wrong():
+    """keep slot i iff P_i * T_{i-1} > E_{i-1} * (t_verify(i + 1) - t_verify(i)), P the chained calibrated
+    confidences (at first the bin's centre: the head taken at its word); a verified slot updates its bin, so
+    a head confident and always wrong is soon cut at the first slot."""
+    verify = [0.0] + [10.0 + (k - 1) for k in range(1, 9)]  # a plain step 10 ms, each verified token 1 ms more
+    p = _core.DraftPolicy(7, verify, [0.0] + [5.0] * 7, False)
+    assert p.calibrated(0.95) == pytest.approx(0.95) and p.calibrated(0.31) == pytest.approx(0.35)
+    p.gate_begin(7)
+    assert p.keep_slot(0, 0.95)  # 0.95 * (5 + 10) > 1 * 1
+    assert p.keep_slot(1, 0.95)  # 0.9025 * 16 > 1.95 * 1
+    assert not p.keep_slot(2, 0.05)  # 0.045 * 17 < 2.85: cut here, with the 4 slots after it
+    assert p.summary.confidence_cut == 5
+    with pytest.raises(ValueError, match="slot 0 of a gate over 0"):
+        p.keep_slot(0, 0.5)  # the gate ended at the cut
+    # the two verified slots: the first accepted, the second not
+    p.observe_confidence([0.95, 0.95], 1, True, False)
+    s = p.summary
+    assert (s.confidence_steps, s.confidence_accepted) == (1, 1)
+    assert s.confidence_expected == pytest.approx(0.95 + 0.95 ** 2)  # before it learned from this step
+    assert s.position_expected == pytest.approx(p.expected_tokens(2) - 1.0)
+    assert p.calibrated(0.95) == pytest.approx((1 + 2 * 0.95) / (2 + 2))
+    p.observe_confidence([0.95], 0, False, True)  # unsettled: nothing seen, the counts only decay
+    assert p.calibrated(0.95) == pytest.approx((0.99 + 2 * 0.95) / (0.99 * 2 + 2))
+    assert p.summary.confidence_steps == 1  # shadow probes teach the calibration, not the summary
+    for _ in range(100):  # its 0.9 bin, once verified: P = 0.04 < 1 / 15 (one more token's cost / the step's)
+        p.observe_confidence([0.97, 0.9], 0, True, False)
+    assert p.calibrated(0.96) < 1 / 15
+    p.gate_begin(3)
+    assert not p.keep_slot(0, 0.96) and p.summary.confidence_cut == 5 + 3
+    with pytest.raises(ValueError, match="3 of 2 slots accepted"):
+        p.observe_confidence([0.5, 0.5], 3, True, False)
+    with pytest.raises(ValueError, match="a confidence gate over 8 slots"):
+        p.gate_begin(8)

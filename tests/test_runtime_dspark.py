@@ -199,11 +199,21 @@ def test_the_confidence_threshold_cuts_the_draft(drafts, tiny_target_gguf):
     assert_same(nothing, ar, "p_min 1")
     assert all(s.drafted == [] for s in nothing.steps) and len(nothing.steps) == 39
     assert_same(rt.generate(prompt, 40, draft_p_min=p_min), ar, f"adaptive, p_min {p_min}")
+    # the adaptive loop's confidence gate: on by default with a confidence head, exact either way
+    ungated = rt.generate(prompt, 40, confidence=False)
+    assert_same(ungated, ar, "adaptive, no confidence gate")
+    assert (ungated.policy.confidence_steps, ungated.policy.confidence_cut) == (0, 0)
+    assert_same(rt.generate(prompt, 40, confidence=True), ar, "adaptive, confidence gate")
+    with pytest.raises(ValueError, match=r"^the confidence gate is a choice of the adaptive loop \(draft_max auto\)"):
+        rt.generate(prompt, 4, draft_max=3, confidence=True)
 
     other = runtime(tiny_target_gguf, drafts["anchor_first"])
     with pytest.raises(ValueError, match=r"^draft_p_min needs a draft with a confidence head \(a DSpark draft's "
                                          r"conf_proj\)$"):
         other.generate(prompt, 4, draft_p_min=0.5)
+    with pytest.raises(ValueError, match=r"^the confidence gate needs a draft with a confidence head"):
+        other.generate(prompt, 4, confidence=True)
+    assert_same(other.generate(prompt, 40, confidence=False), other.autoregressive(prompt, 40), "no head, gate off")
     with pytest.raises(ValueError, match=r"^draft_p_min must be in \[0, 1\], got 1\.5"):
         rt.generate(prompt, 4, draft_p_min=1.5)
 

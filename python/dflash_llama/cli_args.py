@@ -113,10 +113,14 @@ def add_draft_max_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_draft_p_min_arg(p: argparse.ArgumentParser) -> None:
-    """--draft-p-min P: a DSpark draft's confidence threshold (llama.cpp's --spec-draft-p-min)."""
+    """A DSpark draft's confidence head: --draft-p-min P, a threshold (llama.cpp's --spec-draft-p-min), and
+    --draft-confidence on|off, the adaptive loop's gate."""
     p.add_argument("--draft-p-min", type=finite_float, default=0.0, metavar="P",
                    help="a draft with a confidence head (DSpark): each draft stops before its first slot whose "
                         "confidence is below P (default: 0 = never)")
+    p.add_argument("--draft-confidence", type=parse_on_off, metavar="on|off",
+                   help="with --draft-max auto and a confidence head (DSpark): cut each draft where its "
+                        "calibrated confidences stop paying, before the verify (default: on)")
 
 
 def finite_float(text: str) -> float:

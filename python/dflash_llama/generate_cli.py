@@ -50,6 +50,7 @@ class GenerateRequest:
     draft_max: int | str = "auto"  # runtime: verify at most this many drafted tokens, or "auto"
     ngram: bool | None = None  # runtime: the adaptive loop's n-gram source (None: on with "auto")
     draft_p_min: float = 0.0  # a DSpark draft's confidence threshold (0: none)
+    confidence: bool | None = None  # runtime: the adaptive loop's confidence gate (None: on with a head)
     threads: int | None = None  # runtime: CPU threads (0: all); None: measured
     n_ctx: int = CTX_SIZE  # runtime: context size
     n_gpu_layers: int = 0  # runtime: target layers on the GPU (-1: all)
@@ -95,6 +96,8 @@ def _run_reference(req: GenerateRequest) -> dict:
     sampling = Sampling(req.temperature, req.top_p, req.top_k, req.seed)  # checks them, before any loading
     if req.ngram is not None:
         raise ValueError("--ngram: the reference engine has no adaptive loop; --ngram is for --engine runtime")
+    if req.confidence is not None:
+        raise ValueError("--draft-confidence: the reference engine has no adaptive loop; it is for --engine runtime")
     if req.n_gpu_layers:
         raise ValueError(f"-ngl {req.n_gpu_layers}: the reference engine runs on the CPU; -ngl is for --engine runtime")
     prompt_text = None if req.prompt_text is None else utf8_text(req.prompt_text)
@@ -138,7 +141,7 @@ def _run_runtime(req: GenerateRequest) -> dict:
         result = rt.autoregressive(prompt_ids, req.max_tokens, **kw)
     else:
         result = rt.generate(prompt_ids, req.max_tokens, block_size=req.block_size, draft_max=req.draft_max,
-                             ngram=req.ngram, draft_p_min=req.draft_p_min, **kw)
+                             ngram=req.ngram, draft_p_min=req.draft_p_min, confidence=req.confidence, **kw)
     return result.to_json(prompt_ids=prompt_ids)
 
 
@@ -159,8 +162,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--block-size needs a draft")
     if args.no_draft and args.ngram is not None:
         raise ValueError("--ngram is a source of the adaptive loop: it needs a draft")
-    if args.no_draft and args.draft_p_min:
-        raise ValueError("--draft-p-min reads a draft's confidence head: it needs a draft")
+    if args.no_draft and (args.draft_p_min or args.draft_confidence is not None):
+        flag = "--draft-p-min" if args.draft_p_min else "--draft-confidence"
+        raise ValueError(f"{flag} reads a draft's confidence head: it needs a draft")
     req = GenerateRequest(
         target=args.target,
         draft=None if args.no_draft else args.draft,
@@ -176,6 +180,7 @@ def main(args: argparse.Namespace) -> int:
         draft_max=args.draft_max,
         ngram=args.ngram,
         draft_p_min=args.draft_p_min,
+        confidence=args.draft_confidence,
         threads=args.threads,
         n_ctx=args.ctx_size,
         n_gpu_layers=args.n_gpu_layers,

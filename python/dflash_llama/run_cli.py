@@ -66,7 +66,8 @@ def policy_line(p) -> str:
     return (f"draft length:    auto: {100 * p.plain_share:.0f}% plain steps ({p.plain_steps} of "
             f"{p.plain_steps + p.draft_steps + p.ngram_steps}, {probes}), {why}; predicted "
             f"{p.predicted_tokens_per_second:.1f} tok/s{measured}\n"
-            f"steps:           {p.steps_line()}")
+            f"steps:           {p.steps_line()}"
+            + (f"\nconfidence gate: {p.confidence_line()}" if p.confidence_line() else ""))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -88,7 +89,8 @@ def main(args: argparse.Namespace) -> int:
     rt = Runtime(target, draft, n_threads=args.threads, n_ctx=args.ctx_size, n_gpu_layers=args.n_gpu_layers)
 
     stream = rt.generate(args.prompt, args.n_predict, block_size=args.block_size, draft_max=args.draft_max,
-                         ngram=args.ngram, draft_p_min=args.draft_p_min, stream=True)
+                         ngram=args.ngram, draft_p_min=args.draft_p_min,
+                         confidence=args.draft_confidence, stream=True)
     pieces = iter(stream)
     first = next(pieces, "")  # the runtime checks the request: a bad one raises here, before any output
     print(f"target: {target}\ndraft:  {args.draft or DEFAULT_DRAFT} ({rt.draft_variant.title})\n", file=sys.stderr)
@@ -131,7 +133,8 @@ def main(args: argparse.Namespace) -> int:
                 runs["A"].append(rt.autoregressive(args.prompt, args.n_predict))
             else:
                 g = rt.generate(args.prompt, args.n_predict, block_size=args.block_size, draft_max=args.draft_max,
-                                ngram=args.ngram, draft_p_min=args.draft_p_min)
+                                ngram=args.ngram, draft_p_min=args.draft_p_min,
+                                confidence=args.draft_confidence)
                 if g.tokens != ar.tokens:
                     return _inexact(ar.tokens, g.tokens)
                 runs["D"].append(g)

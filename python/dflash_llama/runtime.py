@@ -98,6 +98,13 @@ class Policy:
     ngram_drafted: int = 0  # n-gram tokens verified
     ngram_accepted: int = 0  # of them accepted
     draft_tau: float = 0.0  # tokens a drafting step produced on average
+    # the confidence gate (a DSpark draft's confidence head): slots it cut, and over the drafts it let
+    # through, what they accepted beside what the calibrated confidences and the per-position estimate expected
+    confidence_steps: int = 0
+    confidence_cut: int = 0
+    confidence_expected: float = 0.0
+    position_expected: float = 0.0
+    confidence_accepted: int = 0
 
     @property
     def ngram_acceptance(self) -> float:
@@ -108,6 +115,14 @@ class Policy:
         (acc 0.71)"."""
         return (f"{self.plain_steps} plain, {self.draft_steps} draft (tau {self.draft_tau:.2f}), "
                 f"{self.ngram_steps} n-gram (acc {self.ngram_acceptance:.2f})")
+
+    def confidence_line(self) -> str | None:
+        """The confidence gate in one line, None when it never ran."""
+        if not (self.confidence_steps or self.confidence_cut):
+            return None
+        return (f"{self.confidence_cut} slots cut; over {self.confidence_steps} verified drafts, accepted "
+                f"{self.confidence_accepted}, expected {self.confidence_expected:.1f} by the calibrated confidences, "
+                f"{self.position_expected:.1f} by position")
 
 
 @dataclass
@@ -161,7 +176,9 @@ class Generation:
 
 def _policy(p) -> Policy:
     return Policy(p.plain_steps, p.draft_steps, p.probes, p.mean_draft, p.plain_share, p.predicted_tokens_per_second,
-                  p.shadow_probes, p.calibration_ms, p.ngram_steps, p.ngram_drafted, p.ngram_accepted, p.draft_tau)
+                  p.shadow_probes, p.calibration_ms, p.ngram_steps, p.ngram_drafted, p.ngram_accepted, p.draft_tau,
+                  p.confidence_steps, p.confidence_cut, p.confidence_expected, p.position_expected,
+                  p.confidence_accepted)
 
 
 class _ComputeThread:
@@ -339,7 +356,8 @@ class Runtime:
     def generate(self, prompt: str | bytes | Sequence[int], max_new_tokens: int = 128, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, block_size: int | None = None,
                  draft_max: int | str | None = "auto", ngram: bool | None = None, stop_tokens: Sequence[int] = (),
-                 stop_at_eog: bool = True, stream: bool = False, draft_p_min: float = 0.0) -> Generation | Stream:
+                 stop_at_eog: bool = True, stream: bool = False, draft_p_min: float = 0.0,
+                 confidence: bool | None = None) -> Generation | Stream:
         """DFlash speculative decoding. Greedy (temperature 0) output equals `autoregressive`.
 
         draft_max: "auto" lets each step choose what to verify for the highest expected speed: nothing
@@ -348,13 +366,17 @@ class Runtime:
         ngram: the adaptive loop's n-gram source (None: on with "auto"; True with a fixed draft length
         is a ValueError).
         draft_p_min: a draft with a confidence head (DSpark) stops each draft before its first slot whose
-        confidence is below it (0: never; llama.cpp's --spec-draft-p-min); a ValueError for other drafts."""
+        confidence is below it (0: never; llama.cpp's --spec-draft-p-min); a ValueError for other drafts.
+        confidence: the adaptive loop's confidence gate, which cuts each draft where its calibrated
+        confidences stop paying (None: on where the draft has a confidence head; True without one, or
+        with a fixed draft length, is a ValueError)."""
         if not self.has_draft:
             raise ValueError("this Runtime has no draft: pass draft=..., or use autoregressive()")
         params = self._params(max_new_tokens, temperature, top_p, top_k, seed, block_size, draft_max,
                               stop_tokens, stop_at_eog)
         params.ngram = None if ngram is None else bool(ngram)
         params.draft_p_min = float(draft_p_min)
+        params.confidence = None if confidence is None else bool(confidence)
         return self._run(self._engine.generate, prompt, params, stream)
 
     def step_costs(self, block_size: int | None = None) -> dict | None:
