@@ -95,6 +95,14 @@ def test_gguf_keys_say_the_heads_and_the_layout():
     (speculators(markov_rank=-1), "markov_rank = -1: expected an integer in 0..65536"),
     (deepspec(sample_from_anchor="yes"), "sample_from_anchor = 'yes': expected true or false"),
     (speculators(speculators_model_type="dsv4"), "speculators_model_type = 'dsv4' is not supported"),
+    # a DeepSeek-V4 DSpark's keys, wherever a format keeps its settings (found by the DSpark fuzz campaign:
+    # the converter ignored them)
+    (deepspec(hc_mult=4), "hc_mult = 4: DSpark drafts on a DeepSeek-V4 backbone (hyper-connections) are not "
+                          "supported"),
+    (speculators(dspark_target_layer_ids=65537), "dspark_target_layer_ids = 65537: DSpark drafts on a DeepSeek-V4"),
+    (specforge(hc_eps=1e-6), "dflash_config.hc_eps = 1e-06: DSpark drafts on a DeepSeek-V4"),
+    (speculators(transformer_layer_config={**QWEN3, "hc_sinkhorn_iters": 20}),
+     "transformer_layer_config.hc_sinkhorn_iters = 20: DSpark drafts on a DeepSeek-V4"),
 ])
 def test_what_stays_refused_is_one_line(config, message):
     with pytest.raises(ValueError, match="^config.json: " + message.replace("(", r"\(").replace(")", r"\)")):

@@ -857,6 +857,26 @@ DSPARK_DEFAULTS: dict[str, Any] = {"sample_from_anchor": True, "markov_rank": 25
 _DEEPSPEC_KEYS = ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers", *DSPARK_DEFAULTS)
 
 
+# a DeepSeek-V4 DSpark checkpoint's own keys (hyper-connections; its block size, mask and taps under
+# their own names: the pinned converter's DeepseekV4DSparkModel): refused wherever a config holds them,
+# never ignored (a Qwen3 reading of such a draft would be silently wrong)
+DEEPSEEK_V4_HF_KEYS = ("hc_mult", "hc_sinkhorn_iters", "hc_eps", "dspark_block_size", "dspark_noise_token_id",
+                       "dspark_target_layer_ids")
+
+
+def _refuse_deepseek_v4(config: dict) -> None:
+    """ValueError naming the first DeepSeek-V4 key (not null) at the top level, in dflash_config or in
+    speculators' transformer_layer_config."""
+    for where in ("", "dflash_config", "transformer_layer_config"):
+        node = config.get(where) if where else config
+        if not isinstance(node, dict):
+            continue
+        key = next((k for k in DEEPSEEK_V4_HF_KEYS if node.get(k) is not None), None)
+        if key is not None:
+            raise ValueError(f"{where + '.' if where else ''}{key} = {_show(node[key])}: DSpark drafts on a "
+                             "DeepSeek-V4 backbone (hyper-connections) are not supported")
+
+
 def checkpoint_format(config: dict) -> str:
     """Which format a draft's config.json is in: "speculators" (vLLM's), "deepspec" (DeepSeek's
     `Qwen3DSparkModel`: DFlash keys at the top level, no dflash_config) or "z-lab" (the published
@@ -877,6 +897,8 @@ def normalized_hf_config(config: dict) -> dict:
     `aux_hidden_state_layer_ids` (hidden-state indices) as target_layer_ids = ids - 1, its
     `sliding_window_non_causal` as is_causal); a DeepSpec one with its top-level DFlash keys in
     `dflash_config`; a z-lab one as it is. ValueError for what cannot be."""
+    if isinstance(config, dict):
+        _refuse_deepseek_v4(config)
     if checkpoint_format(config) == "deepspec":
         dflash = {k: config[k] for k in _DEEPSPEC_KEYS if k in config}
         return {**config, "architectures": [DSPARK.architecture], "dflash_config": dflash}
