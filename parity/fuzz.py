@@ -10,7 +10,11 @@ Four targets, each fed mutants of the tiny f32 qwen3 pair of `dflash_llama.fixtu
 `--variant dflash2` puts a DFlash 2 draft in the pair (grouped dynamic convolutions, candidate selector;
 `VARIANT_DRAFTS`), and the converter's seeds are its checkpoint in z-lab's and in vLLM speculators'
 format; half of the draft and converter mutants then aim at what DFlash 2 adds (its four sizes, its conv and selector
-tensors: shapes, types, data; the speculators keys).
+tensors: shapes, types, data; the speculators keys). `--variant dspark` does the same for a DSpark draft (Markov and
+confidence heads; its converter seeds in DeepSpec's, speculators' and SpecForge's formats): its two keys, its heads'
+tensors (also re-encoded, resized, of another rank, dropped, with a scale or another variant's tensors beside them),
+DeepSpec's keys and DeepSeek-V4's; its CLI runs draft every step, half of them with a confidence threshold.
+The variant tables are `GGUF_AIMS` and `HF_AIMS`.
 
 Mutant `index` of `seed` is a pure function of (variant, target, seed, index), so any one of them is
 rebuilt with `python -m dflash_llama.parity.fuzz [--variant V] --target T --seed S --index I --keep DIR`.
@@ -64,10 +68,23 @@ PROMPT, N_PREDICT = "hi", 4
 
 VARIANTS = tuple(schema.VARIANTS)  # the draft variants a corpus can hold
 # the seed draft of each variant (fixtures.TinyDraftConfig's fields; the DFlash 1 one: the defaults)
-# (speculators' format needs the taps written: the DFlash 2 draft lists its one, target layer 1)
+# (speculators' format needs the taps written: the DFlash 2 and DSpark drafts list one, target layer 1;
+# DSpark's rank 32 and n_embd + rank = 96 are whole Q8_0 / Q4_0 blocks, so its heads re-encode)
 VARIANT_DRAFTS = {"dflash": {}, "dflash2": dict(variant="dflash2", conv_kernel_size=2, conv_group_size=16,
                                                 selector_rank=16, selector_top_k=4, identity_conv=False,
-                                                target_layer_ids=[1])}
+                                                target_layer_ids=[1]),
+                  "dspark": dict(variant="dspark", markov_rank=32, confidence_head=True, sample_from_anchor=True,
+                                 target_layer_ids=[1])}
+
+
+def _other_formats() -> dict[str, tuple]:
+    """The same draft in the other checkpoint formats of its variant: (name, writer(out_dir, draft_dir)),
+    the converter's further seeds (each converts to the same tensors)."""
+    from dflash_llama import fixtures
+
+    return {"dflash2": (("speculators", fixtures.speculators_draft_hf),),
+            "dspark": (("speculators", lambda out, d: fixtures.dspark_draft_as(out, d, "speculators")),
+                       ("specforge", lambda out, d: fixtures.dspark_draft_as(out, d, "specforge")))}
 
 
 @dataclass(frozen=True)
@@ -77,29 +94,31 @@ class Corpus:
     draft_hf: Path
     draft_gguf: Path  # draft_hf converted against target_gguf, f32
     variant: str = "dflash"
-    speculators_hf: Path | None = None  # draft_hf saved in vLLM speculators' format (DFlash 2 corpora)
+    # draft_hf saved in its variant's other formats (DFlash 2: vLLM speculators'; DSpark: speculators',
+    # SpecForge's): (format, directory)
+    formats: tuple[tuple[str, Path], ...] = ()
 
     def converter_seeds(self) -> tuple[Path, ...]:
         """The HF draft directories the converter's mutants start from (each converts to draft_gguf)."""
-        return (self.draft_hf,) + ((self.speculators_hf,) if self.speculators_hf else ())
+        return (self.draft_hf,) + tuple(d for _, d in self.formats)
 
 
 def corpus_from(target_hf: Path, target_gguf: Path, draft_hf: Path, work: Path, variant: str = "dflash") -> Corpus:
     """A corpus around existing fixtures: converts the draft (f32) into `work` unless done; a DFlash 2
-    draft is also saved in speculators' format there."""
-    from dflash_llama import fixtures
+    or DSpark draft is also saved in its variant's other formats there (`<format>_hf`)."""
     from dflash_llama.converter import convert
 
     work = Path(work)
     draft_gguf = work / "draft.gguf"
     if not draft_gguf.exists():
         convert(draft_hf, target_gguf, draft_gguf, outtype="f32")
-    speculators = None
-    if variant == "dflash2":
-        speculators = work / "speculators_hf"
-        if not (speculators / "model.safetensors").exists():
-            fixtures.speculators_draft_hf(speculators, draft_hf)
-    return Corpus(Path(target_hf), Path(target_gguf), Path(draft_hf), draft_gguf, variant, speculators)
+    formats = []
+    for name, write in _other_formats().get(variant, ()):
+        out = work / f"{name}_hf"
+        if not (out / "model.safetensors").exists():
+            write(out, draft_hf)
+        formats.append((name, out))
+    return Corpus(Path(target_hf), Path(target_gguf), Path(draft_hf), draft_gguf, variant, tuple(formats))
 
 
 def build_corpus(work: Path, variant: str = "dflash") -> Corpus:
@@ -392,36 +411,86 @@ GGUF_MUTATORS = (m_kv_value, m_kv_value, m_kv_type, m_kv_array, m_kv_string, m_k
                  m_header)
 
 
-# --- DFlash 2 mutators: what DFlash 2 adds (half of a DFlash 2 draft's structural mutants) ---------------
+# --- variant mutators: what a draft variant adds (half of its draft's structural mutants) -------------
+#
+# One table per variant (GGUF_AIMS): its keys, the values and types to give them, its tensors and the
+# operations on them; `m_variant_key` and `m_variant_tensor` read it. DFlash 2 draws exactly as before
+# the table existed (mutants of earlier campaigns rebuild the same).
 
-DFLASH2_SIZES = tuple(k.encode() for k in schema.DFLASH2_KEYS)
-# around the seed's sizes (K 2, G 16, rank 16, top-K 4; n_embd 64) and the bounds the readers check
-DFLASH2_VALUES = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 15, 16, 17, 20, 21, 32, 63, 64, 65, 128, 49152, 49153, 2**16,
-                  2**31 - 1, 2**31, 2**32 - 1, 2**32 + 4, 2**63)
 TENSOR_DATA = (math.nan, math.inf, -math.inf, 3e38, -3e38, 0.0, 1e-45)
-DFLASH2_TENSORS = (b"conv_", b"selector_")  # in the GGUF names of its conv and selector tensors
+# ggml types a tensor's data can be re-encoded in (the file stays consistent): F16, BF16, Q8_0, Q4_0,
+# I8, I32, F64
+RETYPES = (1, 30, 8, 2, 24, 26, 28)
 
 
-def m_dflash2_size(rng, g, extra_keys):
-    """One of DFlash 2's four sizes: another value (as U32 mostly, or another type), or deleted."""
-    i = rng.choice([i for i, (k, _, _) in enumerate(g.kvs) if k in DFLASH2_SIZES])
+@dataclass(frozen=True)
+class GGUFAim:
+    """What a variant adds to a DFlash 1 draft GGUF, for the mutants aimed there."""
+
+    labels: tuple[str, str]  # how a key and a tensor mutant say what they are ("dflash2_size", ...)
+    keys: tuple[bytes, ...]  # its keys in the seed
+    key_type: int  # the type they are written in
+    other_types: tuple[int, ...]  # another type, one time in five
+    ints: tuple  # integer values
+    bools: tuple = (1,)  # bool values (bytes: ggml reads any but 0 as true)
+    strings: tuple = (b"true",)
+    added_keys: tuple = ()  # (key, type, value) a mutant may add: what the variant must refuse
+    tensors: tuple[bytes, ...] = ()  # in the names of its tensors
+    tensor_ops: tuple[str, ...] = ("data", "data", "data", "dimension", "swap", "type")
+    extra_tensors: tuple = ()  # (what, ((name, ne, type, fill), ...)): tensors a mutant may add together
+    optional_head: tuple = ()  # (key, tensor names): a head a draft may lack, the key saying whether it has it
+    marker: bytes = b""  # a tensor that says the variant (else one of its keys does)
+
+    def detect(self, g: GGUFFile) -> bool:
+        if self.marker:
+            return any(t[0] == self.marker for t in g.tensors)
+        return any(k in self.keys for k, _, _ in g.kvs)
+
+    @property
+    def mutators(self) -> tuple:
+        return ((self.labels[0], m_variant_key), (self.labels[1], m_variant_tensor),
+                (self.labels[1], m_variant_tensor))
+
+
+def _kv(g: GGUFFile, key: bytes, default=None):
+    return next((v for k, _, v in g.kvs if k == key), default)
+
+
+def m_variant_key(rng, g, aim: GGUFAim):
+    """One of the variant's keys: another value (in its own type mostly, or another type), or deleted;
+    or a key it must refuse added."""
+    if aim.added_keys and rng.random() < 0.2:
+        key, vtype, value = rng.choice(aim.added_keys)
+        g.kvs.insert(rng.randrange(len(g.kvs) + 1), (key, vtype, value))
+        g.n_kv = len(g.kvs)
+        return f"added {key.decode()} = {value!r:.40} as {TYPE_NAMES[vtype]}"
+    i = rng.choice([i for i, (k, _, _) in enumerate(g.kvs) if k in aim.keys])
     key = g.kvs[i][0]
     if rng.random() < 0.1:
         del g.kvs[i]
         g.n_kv = len(g.kvs)
         return f"{key.decode()} deleted"
-    vtype = U32 if rng.random() < 0.8 else rng.choice((U16, I32, U64, I64, F32, BOOL))
-    value = 1 if vtype == BOOL else rng.choice((2.0, 4.5, math.nan)) if vtype == F32 else rng.choice(DFLASH2_VALUES)
+    vtype = aim.key_type if rng.random() < 0.8 else rng.choice(aim.other_types)
+    if vtype == BOOL:
+        value = aim.bools[0] if len(aim.bools) == 1 else rng.choice(aim.bools)
+    elif vtype == F32:
+        value = rng.choice((2.0, 4.5, math.nan))
+    elif vtype == STRING:
+        value = rng.choice(aim.strings)
+    else:
+        value = rng.choice(aim.ints)
     g.kvs[i] = (key, vtype, value)
     return f"{key.decode()} = {value!r} as {TYPE_NAMES[vtype]}"
 
 
-def m_dflash2_tensor(rng, g, extra_keys):
-    """A conv or selector tensor: its data (one value or all set to NaN, inf, 3e38, 0, a denormal),
-    one dimension off, its dimensions swapped, or its type."""
-    t = rng.choice([t for t in g.tensors if any(h in t[0] for h in DFLASH2_TENSORS)])
+def m_variant_tensor(rng, g, aim: GGUFAim):
+    """One of the variant's tensors: its data (one value or all set to NaN, inf, 3e38, 0, a denormal),
+    one dimension off, its dimensions swapped, or its type; where the variant's table says so also:
+    re-encoded in another type, resized with its data (one dimension; or the rank all the variant's
+    tensors share), deleted, or tensors added beside it."""
+    t = rng.choice([t for t in g.tensors if any(h in t[0] for h in aim.tensors)])
     name = t[0].decode()
-    op = rng.choice(("data", "data", "data", "dimension", "swap", "type"))
+    op = rng.choice(aim.tensor_ops)
     if op == "data" and t[2] == 0:  # f32, as in the seed
         n, value = math.prod(t[1]), rng.choice(TENSOR_DATA)
         start, count = (t[3] + 4 * rng.randrange(n), 1) if rng.random() < 0.5 else (t[3], n)
@@ -429,6 +498,8 @@ def m_dflash2_tensor(rng, g, extra_keys):
         data[start:start + 4 * count] = struct.pack("<f", value) * count
         g.data = bytes(data)
         return f"tensor {name} data: {'all' if count > 1 else 'one'} = {value!r}"
+    if op in TENSOR_OPS and (what := TENSOR_OPS[op](rng, g, t, aim)):
+        return what
     if op == "dimension":
         j = rng.randrange(len(t[1]))
         t[1][j] = rng.choice((0, 1, t[1][j] - 1, t[1][j] + 1, t[1][j] * 2))
@@ -440,7 +511,183 @@ def m_dflash2_tensor(rng, g, extra_keys):
     return f"tensor {name} shape {op} -> {t[1]}"
 
 
-DFLASH2_MUTATORS = (m_dflash2_size, m_dflash2_tensor, m_dflash2_tensor)
+def _f32_array(g: GGUFFile, t: list):
+    """An f32 tensor's values, numpy-shaped (ggml's ne reversed)."""
+    import numpy as np
+
+    return np.frombuffer(g.data, "<f4", math.prod(t[1]), t[3]).reshape(t[1][::-1] or [1])
+
+
+def _encoded(values, ttype: int) -> bytes | None:
+    """`values` (f32, numpy-shaped) in ggml type `ttype`; None where that type cannot hold its rows."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    if ttype in (0, 1, 2, 8, 30):
+        try:
+            return quants.quantize(np.ascontiguousarray(values, np.float32), GGMLQuantizationType(ttype)).tobytes()
+        except (ValueError, NotImplementedError, quants.QuantError):
+            return None
+    kind = {24: "<i1", 26: "<i4", 28: "<f8"}[ttype]
+    if kind[1] == "i":
+        values = np.clip(np.nan_to_num(np.round(values * 16)), -100, 100)
+    return values.astype(kind).tobytes()
+
+
+def _relayout(g: GGUFFile, new: dict[int, bytes | None]) -> None:
+    """The data section laid out again with tensor i's bytes replaced by new[i], or tensor i left out
+    where new[i] is None (each tensor aligned and right after the one before, as gguf requires; the
+    section padded to the alignment); the other tensors keep their bytes."""
+    order = sorted(range(len(g.tensors)), key=lambda i: g.tensors[i][3])
+    ends = [g.tensors[i][3] for i in order[1:]] + [len(g.data)]
+    data = bytearray()
+    for i, end in zip(order, ends):
+        blob = new[i] if i in new else g.data[g.tensors[i][3]:end]
+        if blob is not None:
+            data += bytes(-len(data) % g.alignment)
+            g.tensors[i][3] = len(data)
+            data += blob
+    g.data = bytes(data + bytes(-len(data) % g.alignment))
+    g.tensors = [t for i, t in enumerate(g.tensors) if i not in new or new[i] is not None]
+    g.n_tensors = len(g.tensors)
+
+
+def _resized(values, shape: list[int]):
+    """`values` (numpy-shaped) cut or grown to `shape`, grown by repeating its own values."""
+    import numpy as np
+
+    out = values
+    for axis, n in enumerate(shape):
+        have = out.shape[axis]
+        if n <= have:
+            out = np.take(out, range(n), axis=axis)
+        elif have:
+            out = np.take(out, [j % have for j in range(n)], axis=axis)
+        else:
+            out = np.zeros(out.shape[:axis] + (n,) + out.shape[axis + 1:], np.float32)
+    return out
+
+
+def op_retype(rng, g, t, aim):
+    """The tensor in another type, its data re-encoded (F16, BF16, Q8_0, Q4_0, I8, I32, F64)."""
+    if t[2] != 0:
+        return None
+    ttype = rng.choice(RETYPES)
+    blob = _encoded(_f32_array(g, t), ttype)
+    if blob is None:  # rows that type cannot hold: the type alone changes
+        t[2] = ttype
+        return f"tensor {t[0].decode()} type {ttype} (rows of {t[1][0]} values, data as f32)"
+    t[2] = ttype
+    _relayout(g, {g.tensors.index(t): blob})
+    return f"tensor {t[0].decode()} re-encoded as type {ttype}"
+
+
+def op_resize(rng, g, t, aim):
+    """One dimension of the tensor changed, its data cut or grown with it (a consistent file)."""
+    if t[2] != 0:
+        return None
+    j = rng.randrange(len(t[1]))
+    n = t[1][j]
+    dims = list(t[1])
+    dims[j] = rng.choice((0, 1, n - 1, n + 1, 2 * n, 48))
+    blob = _resized(_f32_array(g, t), dims[::-1]).astype("<f4").tobytes()
+    t[1] = dims
+    _relayout(g, {g.tensors.index(t): blob})
+    return f"tensor {t[0].decode()} resized with its data -> {dims}"
+
+
+MARKOV_RANKS = (0, 1, 8, 16, 31, 33, 64)  # around the seed's 32; 0 is no head
+
+
+def op_rank(rng, g, t, aim):
+    """DSpark's rank changed in every tensor that has it (markov_w1 and markov_w2's ne0, conf_proj's
+    ne0 = n_embd + rank), the data cut or grown: a consistent draft of another rank."""
+    n_embd = _kv(g, b"dflash.embedding_length")
+    rank = next(d[0] for n, d, _, _ in g.tensors if n == b"markov_w1.weight")
+    new_rank = rng.choice([r for r in MARKOV_RANKS if r != rank])
+    new = {}
+    for i, u in enumerate(g.tensors):
+        if u[0] in (b"markov_w1.weight", b"markov_w2.weight", b"conf_proj.weight") and u[2] == 0:
+            dims = [(n_embd if u[0] == b"conf_proj.weight" else 0) + new_rank] + u[1][1:]
+            new[i] = _resized(_f32_array(g, u), dims[::-1]).astype("<f4").tobytes()
+            u[1] = dims
+    _relayout(g, new)
+    return f"markov rank {rank} -> {new_rank} in {len(new)} tensors, their data cut or grown"
+
+
+def op_drop_head(rng, g, t, aim):
+    """The variant's optional head taken out whole: its tensors deleted, its key set to false or
+    deleted (a consistent draft without it)."""
+    key, names = aim.optional_head
+    _relayout(g, {i: None for i, u in enumerate(g.tensors) if u[0] in names})
+    i = next(i for i, (k, _, _) in enumerate(g.kvs) if k == key)
+    said = "= 0 as bool" if rng.random() < 0.5 else "deleted"
+    if said == "deleted":
+        del g.kvs[i]
+    else:
+        g.kvs[i] = (key, BOOL, 0)
+    g.n_kv = len(g.kvs)
+    return f"head dropped: {', '.join(n.decode() for n in names)} deleted, {key.decode()} {said}"
+
+
+def op_delete(rng, g, t, aim):
+    """The tensor deleted with its data (a well-formed file that lacks it)."""
+    _relayout(g, {g.tensors.index(t): None})
+    return f"tensor {t[0].decode()} deleted"
+
+
+def op_extra(rng, g, t, aim):
+    """Tensors the variant must refuse (or read), added with their data."""
+    what, tensors = rng.choice(aim.extra_tensors)
+    n_embd = _kv(g, b"dflash.embedding_length")
+    for name, ne, ttype, fill in tensors:
+        ne = [n_embd if d == "H" else d for d in ne]
+        blob = struct.pack({0: "<f", 27: "<q"}[ttype], fill) * math.prod(ne)
+        g.data += bytes(-len(g.data) % g.alignment)
+        g.tensors.append([name, ne, ttype, len(g.data)])
+        g.data += blob + bytes(-len(blob) % g.alignment)
+    g.n_tensors = len(g.tensors)
+    return f"added {what}: {', '.join(n.decode() for n, *_ in tensors)}"
+
+
+TENSOR_OPS = {"retype": op_retype, "resize": op_resize, "rank": op_rank, "delete": op_delete, "extra": op_extra,
+              "drop_head": op_drop_head}
+
+GGUF_AIMS: dict[str, GGUFAim] = {
+    # DFlash 2: its four sizes around the seed's (K 2, G 16, rank 16, top-K 4; n_embd 64) and past the
+    # bounds the readers check; its conv and selector tensors
+    "dflash2": GGUFAim(
+        ("dflash2_size", "dflash2_tensor"), tuple(k.encode() for k in schema.DFLASH2_KEYS), U32,
+        (U16, I32, U64, I64, F32, BOOL),
+        (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 15, 16, 17, 20, 21, 32, 63, 64, 65, 128, 49152, 49153, 2**16,
+         2**31 - 1, 2**31, 2**32 - 1, 2**32 + 4, 2**63),
+        tensors=(b"conv_", b"selector_")),
+    # DSpark: its two bools (also bytes other than 0 and 1, strings, as the pinned llama.cpp reads them,
+    # numbers); DeepSeek-V4's and DFlash 2's keys added; the Markov and confidence heads' tensors
+    # (rank 32, n_embd 64) re-encoded, resized, their rank changed together, deleted; a W2 scale, a
+    # reduced vocabulary, another variant's or DeepSeek-V4's tensors added
+    "dspark": GGUFAim(
+        ("dspark_key", "dspark_tensor"), (schema.SAMPLE_FROM_ANCHOR.encode(), schema.HAS_CONFIDENCE_HEAD.encode()),
+        BOOL, (U8, I8, U32, I32, U64, F32, STRING), (0, 1, 2, -1, 255, 256, 2**32 + 1),
+        bools=(0, 1, 0, 1, 2, 255), strings=(b"true", b"false", b"", b"1"),
+        added_keys=((schema.HYPER_CONNECTION_COUNT.encode(), U32, 4), (schema.HYPER_CONNECTION_COUNT.encode(), U32, 0),
+                    (b"dflash.hyper_connection.sinkhorn_iterations", U32, 20),
+                    (schema.CONV_KERNEL_SIZE.encode(), U32, 2), (schema.SELECTOR_RANK.encode(), U32, 32)),
+        tensors=(b"markov_", b"conf_proj"),
+        tensor_ops=("data", "data", "dimension", "swap", "type", "retype", "retype", "resize", "rank", "rank",
+                    "delete", "drop_head", "extra", "extra"),
+        extra_tensors=(
+            ("a scale of W2", ((b"markov_w2.scale", [1], 0, 1.0),)),
+            ("a reduced vocabulary", ((b"d2t", [7], 27, 0), (b"output.weight", ["H", 7], 0, 0.0))),
+            ("a DFlash 2 selector", ((b"selector_hidden.weight", ["H", 32], 0, 0.0),)),
+            ("DeepSeek-V4 hyper-connections", ((b"blk.0.hc_attn_fn.weight", [256, 24], 0, 0.0),
+                                               (b"output_hc_base.weight", [4], 0, 0.0))),
+            ("a second conf_proj.bias", ((b"conf_proj.bias", [1], 0, 0.5),)),
+            ("a scale of the confidence head", ((b"conf_proj.scale", [1], 0, 1.0),)),
+            ("a gated Markov head's gate", ((b"markov_gate.weight", [96, 32], 0, 0.0),))),
+        optional_head=(schema.HAS_CONFIDENCE_HEAD.encode(), (b"conf_proj.weight", b"conf_proj.bias")),
+        marker=schema.DSPARK.marker.encode()),
+}
 
 
 # --- raw mutators: bytes, mostly inside the header --------------------------------------------------
@@ -478,10 +725,14 @@ def mutate_gguf(seed_path: Path, rng: random.Random, extra_keys: list[bytes]) ->
     g = copy.copy(parsed)
     g.kvs = list(parsed.kvs)
     g.tensors = [[n, list(d), t, o] for n, d, t, o in parsed.tensors]
-    dflash2 = any(k in DFLASH2_SIZES for k, _, _ in parsed.kvs)  # a DFlash 1 seed draws as before
-    mutator = rng.choice(DFLASH2_MUTATORS if dflash2 and rng.random() < 0.5 else GGUF_MUTATORS)
-    what = mutator(rng, g, extra_keys)
-    return serialize_gguf(g), f"{mutator.__name__[2:]}: {what}"
+    aim = next((a for a in GGUF_AIMS.values() if a.detect(parsed)), None)  # a DFlash 1 seed draws as before
+    if aim is not None and rng.random() < 0.5:
+        label, mutator = rng.choice(aim.mutators)
+        what = mutator(rng, g, aim)
+    else:
+        mutator = rng.choice(GGUF_MUTATORS)
+        label, what = mutator.__name__[2:], mutator(rng, g, extra_keys)
+    return serialize_gguf(g), f"{label}: {what}"
 
 
 def extra_keys_for(target: str) -> list[bytes]:
@@ -505,8 +756,6 @@ SIZE_NAMES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_
 SPECULATORS_KEYS = ("speculators_model_type", "aux_hidden_state_layer_ids", "transformer_layer_config",
                     "sliding_window_non_causal", "sample_from_anchor", "draft_vocab_size", "target_hidden_size",
                     "block_size", "mask_token_id", "architectures")
-DFLASH2_JSON = (0, 1, 2, 3, 5, 8, 17, 32, 64, 65, 2**31, 10**12, -1, 1.5, "4", None, True, False, [], {}, [0], [2],
-                [5], [2, 2], "dflash", "dflash2", "dspark", "llama")
 
 
 def _config_paths(cfg: dict) -> list[tuple]:
@@ -611,39 +860,112 @@ def _mutate_files(rng: random.Random, d: Path) -> str:
     return op
 
 
-def _dflash2_config(rng: random.Random, d: Path) -> str:
-    """A DFlash 2 key of config.json (a size; in speculators' format its own keys and the layer config's)
-    set to an odd value, or deleted."""
-    path = d / "config.json"
-    cfg = json.loads(path.read_text())
+# --- variant mutators of an HF draft directory: its config keys and its tensors, by the table of the variant
+
+
+def _dflash2_config_keys(cfg: dict) -> list[tuple]:
+    """DFlash 2's sizes (z-lab: in dflash_config or at the top level; speculators: at the top level, with
+    speculators' own keys and the layer config's)."""
     if "speculators_model_type" in cfg:
-        keys = [(k,) for k in SIZE_NAMES + SPECULATORS_KEYS] + [
+        return [(k,) for k in SIZE_NAMES + SPECULATORS_KEYS] + [
             ("transformer_layer_config", k) for k in ("hidden_size", "num_hidden_layers", "vocab_size", "model_type",
                                                       "layer_types", "head_dim")]
-    else:
-        keys = [("dflash_config", k) for k in SIZE_NAMES] + [(k,) for k in SIZE_NAMES + ("architectures",)]
-    keys = rng.choice(keys)
-    delete = rng.random() < 0.15
-    return _put(path, cfg, keys, None if delete else rng.choice(DFLASH2_JSON), delete)
+    return [("dflash_config", k) for k in SIZE_NAMES] + [(k,) for k in SIZE_NAMES + ("architectures",)]
 
 
-# speculators' extra tensors: the verifier's copies, a reduced vocabulary's map, mask and head
-EXTRA_TENSORS = (("d2t", "I64", [49152]), ("d2t", "I64", [7]), ("t2d", "BOOL", [49152]), ("t2d", "BOOL", [7]),
-                 ("embed_tokens.weight", "BF16", [49152, 64]), ("verifier_lm_head.weight", "BF16", [49152, 64]),
-                 ("lm_head.weight", "BF16", [49152, 64]), ("lm_head.weight", "BF16", [7, 64]),
-                 ("verifier_norm.weight", "BF16", [64]), ("model.candidate_selector.hidden_projection.weight", "BF16",
-                                                          [16, 64]))
+DSPARK_SETTINGS = tuple(schema.DSPARK_DEFAULTS)  # markov_rank, markov_head_type, enable_confidence_head, ...
+DEEPSEEK_V4_KEYS = schema.DEEPSEEK_V4_HF_KEYS  # a DeepSeek-V4 DSpark checkpoint's own (hyper-connections, ...)
+
+
+def _dspark_config_keys(cfg: dict) -> list[tuple]:
+    """DSpark's settings where its format keeps them (DeepSpec: the top level, beside the copied target
+    config; SpecForge: dflash_config; speculators: the top level, with its own keys), DeepSeek-V4's
+    keys, the architecture."""
+    fmt = schema.checkpoint_format(cfg)
+    keys = [(k,) for k in DEEPSEEK_V4_KEYS + ("architectures",)]
+    if fmt == "speculators":
+        return keys + [(k,) for k in DSPARK_SETTINGS + SPECULATORS_KEYS] + [
+            ("transformer_layer_config", k) for k in ("hidden_size", "vocab_size", "model_type", "hc_mult")]
+    if fmt == "deepspec":
+        return keys + [(k,) for k in DSPARK_SETTINGS + ("block_size", "target_layer_ids", "mask_token_id",
+                                                        "num_target_layers", "tie_word_embeddings")]
+    return keys + [("dflash_config", k) for k in DSPARK_SETTINGS + ("projector_type", "attention_mode",
+                                                                    "target_layer_ids")] + [(k,) for k in
+                                                                                            DSPARK_SETTINGS]
+
+
+def _dspark_respelling(name: str) -> str:
+    """Another spelling of a DSpark tensor: W1 and W2 without `markov_head.`, the confidence head as
+    Gemma 4's `confidence_proj`, else with `model.`."""
+    if name.startswith("markov_head."):
+        return name.removeprefix("markov_head.")
+    if name.startswith("confidence_head.proj."):
+        return name.replace("confidence_head.proj.", "confidence_proj.")
+    return "model." + name
+
+
+@dataclass(frozen=True)
+class HFAim:
+    """What a variant adds to a DFlash 1 HF checkpoint, for the converter mutants aimed there."""
+
+    config_keys: object  # config.json -> the key paths to set or delete (by the format it is in)
+    values: tuple  # JSON values to set them to
+    tensors: tuple[str, ...]  # in the names of its safetensors tensors
+    respell: object  # a tensor name -> another spelling of it
+    extra_tensors: tuple  # (name, dtype, shape): tensors a checkpoint may hold beside them
+
+
+HF_AIMS: dict[str, HFAim] = {
+    "dflash2": HFAim(
+        _dflash2_config_keys,
+        (0, 1, 2, 3, 5, 8, 17, 32, 64, 65, 2**31, 10**12, -1, 1.5, "4", None, True, False, [], {}, [0], [2], [5],
+         [2, 2], "dflash", "dflash2", "dspark", "llama"),
+        ("conv", "candidate_selector"),
+        lambda name: name.removesuffix(".weight") if name.endswith(".weight") else name + ".weight",
+        # speculators' extra tensors: the verifier's copies, a reduced vocabulary's map, mask and head
+        (("d2t", "I64", [49152]), ("d2t", "I64", [7]), ("t2d", "BOOL", [49152]), ("t2d", "BOOL", [7]),
+         ("embed_tokens.weight", "BF16", [49152, 64]), ("verifier_lm_head.weight", "BF16", [49152, 64]),
+         ("lm_head.weight", "BF16", [49152, 64]), ("lm_head.weight", "BF16", [7, 64]),
+         ("verifier_norm.weight", "BF16", [64]), ("model.candidate_selector.hidden_projection.weight", "BF16",
+                                                  [16, 64]))),
+    "dspark": HFAim(
+        _dspark_config_keys,
+        (0, 1, 2, 4, 8, 16, 31, 32, 33, 64, 256, 65536, 65537, 2**31, 10**12, -1, 1.5, 1e-6, "32", "", None, True,
+         False, "true", [], {}, [1], [40, 41, 42], "vanilla", "gated", "rnn", "Vanilla", "dspark", "dflash",
+         ["DeepseekV4DSparkModel"], ["Qwen3DSparkModel"], ["DSparkDraftModel"], ["DSparkSpeculator"],
+         ["DFlash2DraftModel"]),
+        ("markov_head", "confidence_head"),
+        _dspark_respelling,
+        # the other Markov heads' tensors (gated, rnn), a scale, a reduced vocabulary, DeepSeek-V4's
+        # hyper-connections, other embeddings, another variant's tensor
+        (("markov_head.gate_proj.weight", "BF16", [32, 160]), ("markov_head.gate_proj.bias", "BF16", [32]),
+         ("markov_head.joint_proj.weight", "BF16", [96, 160]), ("markov_head.markov_w2.scale", "F32", [1]),
+         ("confidence_proj.weight", "BF16", [1, 96]), ("d2t", "I64", [7]), ("t2d", "BOOL", [49152]),
+         ("lm_head.weight", "BF16", [7, 64]), ("embed_tokens.weight", "BF16", [49152, 64]),
+         ("mtp.0.hc_attn_fn", "F32", [24, 256]), ("hc_head_base", "F32", [4]),
+         ("candidate_selector.hidden_projection.weight", "BF16", [16, 64]))),
+}
 DTYPE_BYTES = {"I64": 8, "BOOL": 1, "BF16": 2, "F32": 4}
 
 
-def _dflash2_tensors(rng: random.Random, d: Path) -> str:
-    """A conv or selector tensor of the safetensors header: shape or dtype changed, deleted, its name
-    with `.weight` added or dropped (the codebooks' two spellings); or a tensor speculators may save added."""
+def _variant_config(rng: random.Random, d: Path, aim: HFAim) -> str:
+    """One of the variant's config.json keys (where the config's format keeps it) set to an odd value,
+    or deleted."""
+    path = d / "config.json"
+    cfg = json.loads(path.read_text())
+    keys = rng.choice(aim.config_keys(cfg))
+    delete = rng.random() < 0.15
+    return _put(path, cfg, keys, None if delete else rng.choice(aim.values), delete)
+
+
+def _variant_tensors(rng: random.Random, d: Path, aim: HFAim) -> str:
+    """One of the variant's tensors in the safetensors header: shape or dtype changed, deleted, its name
+    spelled another way (renamed, or copied); or a tensor a checkpoint may hold beside it added."""
     path = d / "model.safetensors"
     blob = path.read_bytes()
     n = int.from_bytes(blob[:8], "little")
     header, data = json.loads(blob[8:8 + n]), blob[8 + n:]
-    names = [k for k in header if "conv" in k or "candidate_selector" in k]
+    names = [k for k in header if any(h in k for h in aim.tensors)]
     name = rng.choice(names)
     op = rng.choice(("shape", "dtype", "delete", "spelling", "add", "add"))
     if op == "shape":
@@ -658,11 +980,11 @@ def _dflash2_tensors(rng: random.Random, d: Path) -> str:
             entry["data_offsets"] = [o - (e - b) for o in entry["data_offsets"]]
         data = data[:b] + data[e:]
     elif op == "spelling":
-        other = name.removesuffix(".weight") if name.endswith(".weight") else name + ".weight"
+        other = aim.respell(name)
         header[other] = header.pop(name) if rng.random() < 0.5 else dict(header[name])
         name = f"{name} -> {other}"
     else:
-        name, dtype, shape = rng.choice(EXTRA_TENSORS)
+        name, dtype, shape = rng.choice(aim.extra_tensors)
         size = math.prod(shape) * DTYPE_BYTES[dtype]
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + size]}
         data += bytes(size)  # zeros: d2t offsets 0 (ids 0..k-1), an empty t2d, zero weights
@@ -671,14 +993,15 @@ def _dflash2_tensors(rng: random.Random, d: Path) -> str:
     return f"model.safetensors {name} {op}"
 
 
-def mutate_hf_dir(rng: random.Random, seed_dir: Path, out_dir: Path, dflash2: bool = False) -> tuple[str, bool]:
+def mutate_hf_dir(rng: random.Random, seed_dir: Path, out_dir: Path, variant: str = "dflash") -> tuple[str, bool]:
     """Copy the seed draft directory and corrupt it; returns (what, only the weights were touched).
-    dflash2: half the mutants aim at DFlash 2's keys and tensors."""
+    A variant of HF_AIMS: half the mutants aim at its keys and tensors."""
     shutil.copytree(seed_dir, out_dir)
-    if dflash2 and rng.random() < 0.5:
+    aim = HF_AIMS.get(variant)
+    if aim is not None and rng.random() < 0.5:
         if rng.random() < 0.6:
-            return _dflash2_config(rng, out_dir), False
-        return _dflash2_tensors(rng, out_dir), True
+            return _variant_config(rng, out_dir, aim), False
+        return _variant_tensors(rng, out_dir, aim), True
     kind = rng.choices(("config", "safetensors", "files"), (0.45, 0.45, 0.1))[0]
     if kind == "config":
         return _mutate_config(rng, out_dir), False
@@ -823,10 +1146,19 @@ class Job:
     keep_always: bool = False
 
 
-def cli_command(opts: Options, target: Path, draft: Path | None) -> list[str]:
+def cli_command(opts: Options, target: Path, draft: Path | None, extra: tuple[str, ...] = ()) -> list[str]:
     cli = opts.cli or str(paths.tool("llama-dflash-cli"))
     model = ["-md", str(draft)] if draft else ["--no-draft"]
-    return [cli, "-m", str(target), *model, "-p", PROMPT, "-n", str(N_PREDICT), "--json", "-t", str(opts.threads)]
+    return [cli, "-m", str(target), *model, "-p", PROMPT, "-n", str(N_PREDICT), "--json", "-t", str(opts.threads),
+            *extra]
+
+
+# A variant's CLI flags, drawn per mutant after its file. DSpark: a draft every step (`--draft-max`;
+# the adaptive policy may decode plainly and never run the Markov chain; 7 fits the seed's block of 8
+# in either layout), and one run in two with a confidence threshold (the confidence head runs then
+# too, and may cut the draft).
+VARIANT_FLAGS = {"dspark": (("--draft-max", "7"), ("--draft-max", "7"), ("--draft-max", "7", "--draft-p-min", "0.3"),
+                            ("--draft-max", "7", "--draft-p-min", "0.8"))}
 
 
 def plain_tokens(opts: Options, target: Path) -> tuple[tuple | None, str, str]:
@@ -869,7 +1201,8 @@ def _run_cli(job: Job, rng: random.Random, scratch: Path) -> tuple[Outcome, list
     mutant = scratch / "mutant.gguf"
     mutant.write_bytes(blob)
     target, draft = (c.target_gguf, mutant) if job.target == "draft" else (mutant, c.draft_gguf)
-    cmd = cli_command(job.opts, target, draft)
+    flags = rng.choice(VARIANT_FLAGS[c.variant]) if c.variant in VARIANT_FLAGS else ()
+    cmd = cli_command(job.opts, target, draft, flags)
     rc, out, err = run_child(cmd, job.opts)
     category, cause = classify_exit(rc, err, False, job.opts)
     if category == "ran":
@@ -898,9 +1231,10 @@ def _run_converter(job: Job, rng: random.Random, scratch: Path) -> tuple[Outcome
     mutant = scratch / "mutant_hf"
     seeds = c.converter_seeds()
     seed_dir = seeds[0] if len(seeds) == 1 else rng.choice(seeds)  # a DFlash 1 corpus draws as before
-    what, weights_only = mutate_hf_dir(rng, seed_dir, mutant, dflash2=c.variant == "dflash2")
-    if seed_dir == c.speculators_hf:
-        what = f"speculators format: {what}"
+    what, weights_only = mutate_hf_dir(rng, seed_dir, mutant, c.variant)
+    fmt = next((name for name, d in c.formats if d == seed_dir), None)
+    if fmt is not None:
+        what = f"{fmt} format: {what}"
     (scratch / "out").mkdir()
     out = scratch / "out" / "draft.gguf"
     out.write_bytes(SENTINEL)
@@ -1053,8 +1387,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash_llama.parity.fuzz", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", action="append", choices=TARGETS, help="a target (repeatable; default all four)")
     p.add_argument("--variant", choices=VARIANTS, default="dflash",
-                   help="the draft of the seed pair: DFlash 1 (default) or DFlash 2 (its converter seeds in "
-                        "z-lab's and speculators' format)")
+                   help="the draft of the seed pair: DFlash 1 (default), DFlash 2 (its converter seeds in "
+                        "z-lab's and speculators' format) or DSpark (DeepSpec's, speculators' and SpecForge's)")
     p.add_argument("--mutants", type=int, default=1000, help="mutants in all, shared over the targets (default 1000)")
     p.add_argument("--per-target", type=int, metavar="N", help="N mutants of each target instead of --mutants")
     p.add_argument("--seed", type=int, default=0)
@@ -1067,7 +1401,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--as-limit-gib", type=float, default=6.0, help="address-space limit per child; 0: none")
     p.add_argument("--cli", help="llama-dflash-cli to run (default: this build's; e.g. build/asan/llama-dflash-cli)")
     p.add_argument("--work", metavar="DIR", help=f"seed corpus cache (default {default_work_dir()}, "
-                                                 f"{default_work_dir('dflash2').name} for DFlash 2)")
+                                                 f"{default_work_dir('dflash2').name} for DFlash 2, ...)")
     p.add_argument("--json", metavar="FILE", help="write every outcome here")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)

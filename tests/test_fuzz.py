@@ -3,12 +3,15 @@ targets that must find no signal, hang, traceback or silent wrong output."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import struct
 
+import numpy as np
 import pytest
 
+import dflash_llama
 from dflash_llama.parity import fuzz
 
 # the short run: fixed seed, mutants per target (about 3 minutes on 2 cores)
@@ -124,3 +127,52 @@ def test_dflash2_mutants_reach_its_keys_and_tensors_and_fail_nothing(dflash2_cor
          "speculators_model_type = [5] is not supported (only dflash, dflash2, dspark)"),
         ("speculators format: config.json speculators_model_type = {}", "clean",
          "speculators_model_type = {} is not supported (only dflash, dflash2, dspark)")]
+
+
+@pytest.fixture(scope="module")
+def dspark_corpus(tiny_target_hf, tiny_target_gguf, tmp_path_factory) -> fuzz.Corpus:
+    from dflash_llama import fixtures
+
+    work = tmp_path_factory.mktemp("fuzz_corpus_dspark")
+    draft = fixtures.tiny_draft_hf(work / "draft_hf", tiny_target_hf,
+                                   fixtures.TinyDraftConfig(**fuzz.VARIANT_DRAFTS["dspark"]))
+    return fuzz.corpus_from(tiny_target_hf, tiny_target_gguf, draft, work, "dspark")
+
+
+def test_dspark_mutants_reach_its_keys_heads_and_formats_and_fail_nothing(dspark_corpus, tmp_path):
+    """A DSpark pair: the mutants aim at its two keys and its heads' tensors (a consistent draft of
+    another rank among them), its runs draft every step, its converter seeds are DeepSpec's,
+    speculators' and SpecForge's checkpoints, and a short run (seed 43) fails nothing."""
+    c = dspark_corpus
+    keys = fuzz.extra_keys_for("draft")
+    made = [fuzz.mutate_gguf(c.draft_gguf, fuzz.mutant_rng("dspark", "draft", 43, i), keys) for i in range(40)]
+    assert sum(w.startswith("dspark_key: ") for _, w in made) == 6
+    assert sum(w.startswith("dspark_tensor: ") for _, w in made) == 12
+    # mutant 4: rank 32 -> 1 in W1, W2 and conf_proj with their data, the file laid out again
+    blob, what = made[4]
+    assert what == "dspark_tensor: markov rank 32 -> 1 in 3 tensors, their data cut or grown"
+    (tmp_path / "rank1.gguf").write_bytes(blob)
+    seed, mutant = dflash_llama.gguf_info(c.draft_gguf), dflash_llama.gguf_info(tmp_path / "rank1.gguf")
+    assert [mutant.tensor(n).shape for n in ("markov_w1.weight", "markov_w2.weight", "conf_proj.weight")] == [
+        (1, 49152), (1, 49152), (65,)]
+    for name, keep in (("markov_w1.weight", slice(0, 1)), ("conf_proj.weight", slice(0, 65))):
+        assert np.array_equal(mutant.read(name), seed.read(name)[..., keep])
+    assert np.array_equal(mutant.read("fc.weight"), seed.read("fc.weight"))  # the others moved, unchanged
+    # a DSpark run drafts every step (the Markov chain runs): the seed pair with its flags
+    cmd = fuzz.cli_command(fuzz.Options(), c.target_gguf, c.draft_gguf, fuzz.VARIANT_FLAGS["dspark"][0])
+    rc, out, err = fuzz.run_child(cmd, fuzz.Options(timeout=60))
+    steps = json.loads(out)["steps"] if rc == 0 else err
+    assert len(steps) == fuzz.N_PREDICT - 1 and all(step["drafted"] for step in steps)
+    outcomes = fuzz.campaign({"draft": 12, "converter": 6}, 43, c, jobs=2, keep=tmp_path, progress=False)
+    print("\n" + fuzz.summary_table(outcomes) + "\n" + "\n".join(fuzz.failure_causes(outcomes)))
+    assert [o.category for o in outcomes if o.category in fuzz.FAILURES] == []
+    assert {o.variant for o in outcomes} == {"dspark"}
+    assert fuzz.counts_by_category(outcomes, "draft").get("exact", 0) > 0  # a DSpark draft ran, and was exact
+    assert {o.mutation.split(" format: ")[0] for o in outcomes if " format: " in o.mutation} == {
+        "speculators", "specforge"}
+    # found by the first DSpark run (seed 1): a DeepSeek-V4 key in a speculators config was ignored
+    found = fuzz.run_mutant(fuzz.Job("converter", 1, 1, c, fuzz.Options(), (), str(tmp_path)))
+    assert (found.mutation, found.category, found.cause.split("config.json: ")[-1]) == (
+        "speculators format: config.json dspark_target_layer_ids = 65537", "clean",
+        "dspark_target_layer_ids = 65537: DSpark drafts on a DeepSeek-V4 backbone (hyper-connections) are not "
+        "supported")
