@@ -48,6 +48,8 @@ void bind_native_draft(nb::module_ & m) {
         .def_prop_ro("block_size", &native_draft::block_size)
         .def_prop_ro("causal", &native_draft::causal)
         .def_prop_ro("selector_top_k", &native_draft::selector_top_k)
+        .def_prop_ro("dspark", &native_draft::dspark)
+        .def_prop_ro("sample_from_anchor", &native_draft::sample_from_anchor)
         .def_prop_ro("n_ctx", &native_draft::n_ctx)
         .def("trace", &native_draft_trace, "features"_a, "block"_a);
 }

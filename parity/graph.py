@@ -34,8 +34,13 @@ LLAMA_LATTICE = "dflash2_lattice"
 # intermediates llama.cpp's graph computes without naming them (the convolutions' dynamic taps): the
 # native peer cannot trace them, so they are compared between the reference and our runtime only
 UNNAMED_IN_LLAMA = ("attn_conv_dyn", "ffn_conv_dyn")
-# DSpark heads, per drafted slot (the reference traces them; the three-way stage comes with the runtime)
+# DSpark heads, per drafted slot (slots 0.. anchor-first, 1.. in DFlash's layout), after the head
+# output: the token each slot's Markov bias reads (a token id, compared exactly), the bias, the
+# biased logits and, with a confidence head, the confidence. llama.cpp's graph names none of them:
+# its peer reads the biased logits and the confidences as draft-dspark reads them and the bias and
+# its token from the graph's products with markov_w2 and markov_w1 (runtime/native_draft.h)
 DSPARK_NAMES = ("markov_prev", "markov_bias", "biased_logits", "confidence")
+EXACT_NAMES = ("markov_prev",)  # token ids: equal or not (bound 0)
 
 # which GGUF tensor each intermediate reads first (a weight fault shows there first)
 FIRST_READER = {
@@ -62,7 +67,7 @@ FIRST_READER = {
     "selector_hidden.weight": "selector_gate",
     "selector_predecessor.weight": "selector_scores",
     "selector_successor.weight": "selector_scores",
-    # DSpark (the reference's trace names; our runtime and llama.cpp's graph do not run it yet)
+    # DSpark
     "markov_w1.weight": "markov_bias",
     "markov_w2.weight": "markov_bias",
     "conf_proj.weight": "confidence",
@@ -70,9 +75,11 @@ FIRST_READER = {
 }
 
 
-def graph_order(n_layers: int, variant: L.Variant = L.DFLASH1) -> list[str]:
-    """Every intermediate name of an n_layers draft of `variant`, in the order the graphs compute
+def graph_order(n_layers: int, variant: L.Variant = L.DFLASH1, heads: Sequence[str] | None = None) -> list[str]:
+    """Every intermediate name of an n_layers draft of `variant` with `heads` (default: all of the
+    variant's; a DSpark draft without a confidence head lacks one), in the order the graphs compute
     them (the selector's, which are compared as a lattice, not included)."""
+    heads = variant.heads if heads is None else heads
     names = list(INJECT_NAMES)
     for il in range(n_layers):
         names += [f"{n}-{il}" for n in INJECT_LAYER_NAMES]
@@ -80,7 +87,16 @@ def graph_order(n_layers: int, variant: L.Variant = L.DFLASH1) -> list[str]:
     block_names = DFLASH2_BLOCK_LAYER_NAMES if variant.has(L.CONV) else BLOCK_LAYER_NAMES
     for il in range(n_layers):
         names += [f"{n}-{il}" for n in block_names]
-    return names + list(FINAL_NAMES)
+    names += FINAL_NAMES
+    if L.MARKOV in heads:
+        names += [n for n in DSPARK_NAMES if n != "confidence" or L.CONFIDENCE in heads]
+    return names
+
+
+def chain_draft(cfg) -> bool:
+    """Whether a draft drafts as a chain over its slots (DSpark's Markov head, or an anchor-first
+    block: DeepSpec's "DFlash"), whose drafted tokens the graph stage compares (`compare_drafts`)."""
+    return L.MARKOV in cfg.heads or bool(cfg.sample_from_anchor)
 
 
 def unnamed_in_llama(name: str) -> bool:
@@ -127,11 +143,17 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 
 def reference_trace(draft, features: np.ndarray, block: Sequence[int]) -> dict[str, np.ndarray]:
     """The PyTorch reference draft's intermediates on the same inputs (context at positions 0..);
-    a DFlash 2 draft's greedy selector walk too (`SELECTOR_NAMES`)."""
+    a DFlash 2 draft's greedy selector walk too (`SELECTOR_NAMES`), a chain draft's (`chain_draft`)
+    greedy chain (`DSPARK_NAMES`; `markov_prev` and `biased_logits`, unbiased, without a Markov head)."""
     import torch
 
     trace: dict = {}
-    run = draft.propose if draft.candidate_selector is not None else draft
+    if draft.candidate_selector is not None:
+        run = draft.propose
+    elif chain_draft(draft.config):
+        run = draft.draft_chain
+    else:
+        run = draft
     with torch.no_grad():
         run(torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32)), list(block),
             start=features.shape[0], cache=None, trace=trace)
@@ -170,17 +192,27 @@ class GraphComparison:
                 errs[name] = max(errs.get(name, 0.0), rel_err(ta, tb))
 
 
-def drafted_tokens(trace: dict[str, np.ndarray], n_vocab: int, top_k: int = 0) -> list[int]:
+def drafted_tokens(trace: dict[str, np.ndarray], n_vocab: int, top_k: int = 0, first: int = 1) -> list[int]:
     """Greedy draft of a trace: a DFlash 2 selector's walked path (ours, or llama.cpp's lattice
-    walked as its loop walks it; `top_k`: the draft's selector_top_k), else the argmax of the raw
-    head output at block positions 1.. (a positive logit scale and a soft-cap keep the argmax, so
-    raw logits suffice)."""
+    walked as its loop walks it; `top_k`: the draft's selector_top_k), a chain's (DSpark's) argmax of
+    each drafted slot's biased logits, else the argmax of the raw head output at block positions
+    `first`.. (1: DFlash's layout and llama.cpp's draft-dflash; 0: an anchor-first draft) (a positive
+    logit scale and a soft-cap keep the argmax, so raw logits suffice)."""
     if "selector_path" in trace:
         return [int(t) for t in np.asarray(trace["selector_path"]).ravel()]
     if LLAMA_LATTICE in trace:
         return walk_llama_lattice(trace[LLAMA_LATTICE], top_k)
+    if "biased_logits" in trace:
+        return [int(i) for i in np.asarray(trace["biased_logits"]).reshape(-1, n_vocab).argmax(-1)]
     logits = np.asarray(trace["result_output"]).reshape(-1, n_vocab)
-    return [int(i) for i in logits[1:].argmax(-1)]
+    return [int(i) for i in logits[first:].argmax(-1)]
+
+
+def compare_drafts(drafted: dict[str, list[int]]) -> dict[str, dict]:
+    """A chain draft's drafted tokens of each implementation (llama.cpp's read as its loop reads its
+    outputs), pair by pair: "a/b" -> {"same", "drafts_a", "drafts_b"}."""
+    return {f"{a}/{b}": {"same": drafted[a] == drafted[b], "drafts_a": drafted[a], "drafts_b": drafted[b]}
+            for a, b in PAIRS if a in drafted and b in drafted}
 
 
 # --- DFlash 2: the selector's lattice ---------------------------------------------------------------

@@ -2,10 +2,10 @@
 
 `NativeDraft`: the draft GGUF as a llama.cpp model (arch `dflash`) in a draft context whose
 `ctx_other` is a `Runtime`'s target context, driven as the pinned `draft-dflash` drives it
-(runtime/native_draft.h). `trace(features, block)` returns the same names as
-`Runtime.trace_draft`, in the same NumPy order. llama.cpp's speculative loop
-(`llama-speculative-simple --spec-type draft-dflash`) runs through `dflash_llama.peers`, with
-`FLASH_ATTN`.
+(runtime/native_draft.h); a DSpark draft (a Markov head) as `draft-dspark` drives it. `trace(features,
+block)` returns the same names as `Runtime.trace_draft`, in the same NumPy order. llama.cpp's
+speculative loop (`llama-speculative-simple --spec-type draft-dflash`, or `draft-dspark`) runs through
+`dflash_llama.peers`, with `FLASH_ATTN`.
 """
 
 from __future__ import annotations
@@ -53,6 +53,19 @@ class NativeDraft:
     def selector_top_k(self) -> int:
         """dflash.selector.top_k: > 0 for a DFlash 2 draft, whose trace holds `dflash2_lattice`."""
         return self._draft.selector_top_k
+
+    @property
+    def dspark(self) -> bool:
+        """Whether the draft has a Markov head (`markov_w1.weight`): llama.cpp's tool runs it as
+        draft-dspark, and the trace holds `markov_prev`, `markov_bias`, `biased_logits` (the drafted
+        slots) and, with a confidence head, `confidence`."""
+        return self._draft.dspark
+
+    @property
+    def sample_from_anchor(self) -> bool:
+        """dflash.sample_from_anchor as llama.cpp reads it (missing: true); draft-dspark drafts from
+        block position 0 when true, else from 1 (draft-dflash always from 1)."""
+        return self._draft.sample_from_anchor
 
     def trace(self, features: np.ndarray, block: Sequence[int]) -> dict[str, np.ndarray]:
         """Every named intermediate for context `features` ([n, n_taps * n_embd], positions 0..)

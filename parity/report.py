@@ -151,6 +151,7 @@ def markdown(r: dict, png_name: str = "parity.png") -> str:
             lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {nm} | {bnd} | {'yes' if ok else '**no**'} |")
         lines.append("")
         lines += _selector_lines(g.get("selector"))
+        lines += _drafts_lines(g.get("drafts"))
         for impl, names in (g.get("missing") or {}).items():
             lines.append(f"- {impl} lacks: {', '.join(names)}")
         for note in g.get("notes", []):
@@ -220,6 +221,22 @@ def _selector_lines(sel: dict | None) -> list[str]:
             first = next(iter(paths.values()))
             lines.append(f"- {item['prompt']}: reference path {first['path_a']}")
     lines += [f"- **{f}**" for f in sel["failures"]]
+    return lines + [""]
+
+
+def _drafts_lines(drafts: dict | None) -> list[str]:
+    """A chain draft (DSpark, or anchor-first): the tokens each implementation drafted, per pair."""
+    if not drafts:
+        return []
+    lines = ["Drafted tokens of the chain (llama.cpp's read as its loop reads its outputs):", "",
+             "| pair | same drafted tokens |", "|---|---|"]
+    lines += [f"| {pair} | {'yes' if row['same'] else '**no**'} |" for pair, row in drafts["pairs"].items()]
+    lines.append("")
+    for item in drafts["inputs"]:
+        rows = [v for p, v in item.items() if isinstance(v, dict)]
+        if rows:
+            lines.append(f"- {item['prompt']}: reference {rows[0]['drafts_a']}")
+    lines += [f"- **{f}**" for f in drafts["failures"]]
     return lines + [""]
 
 

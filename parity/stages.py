@@ -6,7 +6,8 @@
    layer's own error is the check, so it holds at any depth), the draft's target layers against
    its HF config, and the KL divergence of the prompt's logits;
 3. graph: every named draft intermediate, reference vs runtime vs llama.cpp's `dflash` graph, on
-   the same features and block;
+   the same features and block (a DSpark draft's Markov chain and confidences too, and the tokens
+   a chain draft drafts, llama.cpp's as its loop reads them);
 4. end to end: drafted-token agreement, greedy speculative output == target greedy output over
    generation lengths and verify widths, the acceptance length (tau) of the three implementations
    on the same prompts, and the KL divergence of the verify logits.
@@ -32,8 +33,11 @@ from dflash_llama.results import first_mismatch
 
 from . import bounds as B
 from .graph import (
+    EXACT_NAMES,
     PAIRS,
     GraphComparison,
+    chain_draft,
+    compare_drafts,
     compare_selectors,
     drafted_tokens,
     first_reader,
@@ -322,7 +326,8 @@ def gather_runtime(cfg: ParityConfig, n_ctx: int, progress) -> RuntimeSide:
         replay["features"] = rt.capture(replay["full"])
         for step in replay["steps"]:
             feats, blk = replay["features"][:step["start"]], step["block"]
-            step["drafted"] = {"runtime": drafted_tokens(rt.trace_draft(feats, blk), rt.n_vocab)}
+            step["drafted"] = {"runtime": drafted_tokens(rt.trace_draft(feats, blk), rt.n_vocab,
+                                                         first=first_draft_slot(rt))}
             if native is not None:
                 step["drafted"]["native"] = drafted_tokens(native.trace(feats, blk), rt.n_vocab,
                                                            native.selector_top_k)
@@ -331,19 +336,28 @@ def gather_runtime(cfg: ParityConfig, n_ctx: int, progress) -> RuntimeSide:
     return side
 
 
+def first_draft_slot(rt) -> int:
+    """The first block position our runtime drafts from: 0 anchor-first, else 1."""
+    return 0 if rt.sample_from_anchor else 1
+
+
 def graph_inputs(cfg: ParityConfig, rt, native, progress=None) -> list[dict]:
     """The graph stage's inputs (features of a prompt but its last token, the block of that token
-    and MASKs) with our runtime's and llama.cpp's traces on them."""
+    and MASKs) with our runtime's and llama.cpp's traces on them, and the tokens each drafts there
+    (llama.cpp's as its loop reads its graph's outputs: draft-dflash from block position 1,
+    draft-dspark from its first draft slot)."""
     out = []
     for prompt in cfg.prompts[:cfg.graph_prompts]:
         tokens = keep_last(rt.tokenize(prompt.text), cfg.max_context)
         features = rt.capture(tokens[:-1])
         block = [tokens[-1]] + [rt.mask_token_id] * (rt.block_size - 1)
         traces = {"runtime": rt.trace_draft(features, block)}
+        drafted = {"runtime": drafted_tokens(traces["runtime"], rt.n_vocab, first=first_draft_slot(rt))}
         if native is not None:
             traces["native"] = native.trace(features, block)
+            drafted["native"] = drafted_tokens(traces["native"], rt.n_vocab, native.selector_top_k)
         out.append({"prompt": prompt.id, "n_context": len(tokens) - 1, "features": features,
-                    "block": block, "traces": traces})
+                    "block": block, "traces": traces, "drafted": drafted})
         if progress is not None:
             progress.step("graph (runtime, llama.cpp)")
     return out
@@ -378,7 +392,7 @@ def _generations(cfg: ParityConfig, rt, prompt, n_ctx: int) -> dict:
     if cfg.native:
         n_ctx_native = max(512, len(tokens) + n + 2 * block)
         row["native"], native_table = native_row(cfg, text, n, block, n_ctx_native, rt.detokenize(ar.tokens),
-                                                 lengths, widths)
+                                                 lengths, widths, rt.max_draft)
         table += native_table
     row["divergence"] = table
     steps, produced = [], 1
@@ -391,35 +405,48 @@ def _generations(cfg: ParityConfig, rt, prompt, n_ctx: int) -> dict:
             "replay": {"full": tokens + spec.tokens, "steps": steps}}
 
 
+def native_spec_type(draft) -> str:
+    """The speculative type llama.cpp's tool picks for a draft GGUF by default: draft-dspark for one
+    with a Markov head (its `markov_w1.weight`), else draft-dflash."""
+    return "draft-dspark" if L.DSPARK.marker in tensor_types(Path(draft)) else "draft-dflash"
+
+
 def native_row(cfg: ParityConfig, text: str, n: int, block: int, n_ctx: int, ar_text: str,
-               lengths: list[int] = (), widths: list[int] = ()) -> tuple[dict, list[dict]]:
-    """llama.cpp's draft-dflash loop on one prompt, against the same tool drafting nothing (one
-    token per target decode): its prompt handling (the last prompt token decoded with the first
-    block) is its own, and CPU flash attention is not batch-invariant, so its greedy text is the
-    fair baseline; agreement with our runtime's text (`ar_text`) is reported apart. Then the
-    divergence grid: the first differing character of each (width, length) run from that baseline."""
+               lengths: list[int] = (), widths: list[int] = (),
+               max_draft: int | None = None) -> tuple[dict, list[dict]]:
+    """llama.cpp's loop on one prompt (the speculative type its tool picks for the draft,
+    `native_spec_type`), against the same tool drafting nothing (one token per target decode): its
+    prompt handling (the last prompt token decoded with the first block) is its own, and CPU flash
+    attention is not batch-invariant, so its greedy text is the fair baseline; agreement with our
+    runtime's text (`ar_text`) is reported apart. Then the divergence grid: the first differing
+    character of each (width, length) run from that baseline. max_draft: the tokens a full block
+    drafts (B anchor-first: draft-dspark's whole block; default and for draft-dflash B - 1)."""
     from dflash_llama import peers
 
     from .native import FLASH_ATTN
 
+    spec_type = native_spec_type(cfg.draft)
+    full = max_draft if spec_type == "draft-dspark" and max_draft else block - 1
+
     def run(length, n_max):
-        return peers.speculative(cfg.target, text, length, "draft-dflash", draft=cfg.draft, n_max=n_max,
+        return peers.speculative(cfg.target, text, length, spec_type, draft=cfg.draft, n_max=n_max,
                                  threads=cfg.n_threads, n_ctx=n_ctx, flash_attn=FLASH_ATTN, exe=cfg.native_tool)
 
     try:
-        ns, plain = run(n, block - 1), run(n, 0)
+        ns, plain = run(n, full), run(n, 0)
     except peers.PeerError as e:
-        return {"tau": None, "greedy_exact": False, "error": str(e)}, []
+        return {"tau": None, "greedy_exact": False, "spec_type": spec_type, "error": str(e)}, []
     k = min(len(ns.text), len(plain.text))
     m = min(len(ns.text), len(ar_text))
     row = {"tau": ns.tau, "greedy_exact": k > 0 and ns.text[:k] == plain.text[:k], "n_tokens": ns.n_tokens,
+           "spec_type": spec_type,
            "n_drafted": ns.n_drafted, "n_accept": ns.n_accept, "compared_chars": k,
            "same_text_as_runtime": ns.text[:m] == ar_text[:m]}
     table = []
     for width in widths:
         for length in lengths:
             try:
-                got = ns if (width, length) == (block - 1, n) else run(length, width)
+                got = ns if (width, length) == (full, n) else run(length, width)
             except peers.PeerError as e:
                 table.append({"impl": "native", "width": width, "length": length, "unit": "char",
                               "first_divergence": None, "error": str(e).strip().splitlines()[-1]})
@@ -531,6 +558,11 @@ def graph_bounds(names: list[str], draft_cat: str, head_cat: str) -> dict[str, d
         base = B.BOUNDS[draft_cat].graph_same if a != "reference" else B.BOUNDS[draft_cat].graph
         per = {n: base for n in names}
         per["result_output"] = max(base, B.BOUNDS[head_cat].head)
+        if "biased_logits" in per:  # the head's logits plus the Markov bias
+            per["biased_logits"] = per["result_output"]
+        for name in EXACT_NAMES:
+            if name in per:
+                per[name] = 0.0
         out[f"{a}/{b}"] = per
     return out
 
@@ -541,9 +573,10 @@ def stage_graph(cfg: ParityConfig, inputs_: list[dict], ref_draft, draft_cat: st
     computed on the same features and block. fill_rows(ids): reads the target embedding's rows
     the reference draft needs (a lazily read table)."""
     variant, top_k = ref_draft.config.variant, ref_draft.config.selector_top_k
-    names = graph_order(ref_draft.config.n_layer, variant)
+    names = graph_order(ref_draft.config.n_layer, variant, ref_draft.config.heads)
     comparison = GraphComparison(names)
-    inputs, selectors = [], []
+    chain = chain_draft(ref_draft.config)
+    inputs, selectors, drafts = [], [], []
     native = False
     for item in inputs_:
         if fill_rows is not None:
@@ -554,6 +587,10 @@ def stage_graph(cfg: ParityConfig, inputs_: list[dict], ref_draft, draft_cat: st
         inputs.append({"prompt": item["prompt"], "n_context": item["n_context"], "block": item["block"]})
         if variant.has(L.SELECTOR):
             selectors.append({"prompt": item["prompt"], **compare_selectors(traces, item["block"][0], top_k)})
+        if chain:
+            drafted = {"reference": drafted_tokens(traces["reference"], ref_draft.config.n_vocab),
+                       **item.get("drafted", {})}
+            drafts.append({"prompt": item["prompt"], **compare_drafts(drafted)})
         progress.step("graph (reference)")
     bounds = graph_bounds(names, draft_cat, head_cat)
     failures = []
@@ -563,6 +600,7 @@ def stage_graph(cfg: ParityConfig, inputs_: list[dict], ref_draft, draft_cat: st
                 failures.append({"name": name, "pair": pair, "error": errs[name], "bound": bounds[pair][name]})
     missing = {k: v for k, v in comparison.missing.items() if v}
     selector = selector_summary(selectors, bounds) if variant.has(L.SELECTOR) else None
+    chain_summary = drafts_summary(drafts) if chain else None
     notes = []
     if native:
         notes.append("native fc_out is read from llama.cpp's DFlash encoder graph (llama_process ENCODE); "
@@ -575,13 +613,41 @@ def stage_graph(cfg: ParityConfig, inputs_: list[dict], ref_draft, draft_cat: st
                      "ffn_conv_dyn): they are compared between the reference and our runtime only; the "
                      "selector is compared as lattices keyed by (slot, predecessor token, candidate token), "
                      "llama.cpp's read from its nextn rows as draft-dflash reads them")
+    if native and L.MARKOV in ref_draft.config.heads:
+        notes.append("llama.cpp's graph names none of DSpark's intermediates: its biased_logits are the logits "
+                     "and its confidences the nextn rows (first column) of the drafted slots, as draft-dspark reads "
+                     "them; its markov_bias is the graph's product with markov_w2.weight and its markov_prev the "
+                     "row its get_rows reads from markov_w1.weight, read as the graph computes them; markov_prev "
+                     "(token ids) must be equal")
+    if native and chain:
+        notes.append("drafted tokens: llama.cpp's as its loop reads its outputs (draft-dspark from the first draft "
+                     "slot, for a draft with markov_w1.weight; draft-dflash, for one without, from block position 1 "
+                     "whatever dflash.sample_from_anchor says)")
     nmses = {pair: {n: e * e if e is not None else None for n, e in errs.items()}
              for pair, errs in comparison.errors.items()}
-    failed = failures or missing or (selector is not None and selector["failures"])
+    failed = failures or missing or (selector is not None and selector["failures"]) or \
+        (chain_summary is not None and chain_summary["failures"])
     return {"status": "fail" if failed else "pass", "draft_type": draft_cat, "head_type": head_cat,
             "inputs": inputs, "names": names, "errors": comparison.errors, "nmse": nmses, "bounds": bounds,
             "shapes": comparison.shapes, "missing": missing, "failures": failures, "selector": selector,
-            "notes": notes}
+            "drafts": chain_summary, "notes": notes}
+
+
+def drafts_summary(per_input: list[dict]) -> dict:
+    """A chain draft (DSpark, or anchor-first): per pair, whether the drafted tokens were equal on
+    every input; `failures` lists the first input where they were not."""
+    pairs, failures = {}, []
+    for a, b in PAIRS:
+        pair = f"{a}/{b}"
+        rows = [r for r in per_input if pair in r]
+        if not rows:
+            continue
+        pairs[pair] = {"same": all(r[pair]["same"] for r in rows)}
+        bad = next((r for r in rows if not r[pair]["same"]), None)
+        if bad is not None:
+            failures.append(f"{pair}: drafted tokens differ on {bad['prompt']}: {bad[pair]['drafts_a']} vs "
+                            f"{bad[pair]['drafts_b']}")
+    return {"pairs": pairs, "inputs": per_input, "failures": failures}
 
 
 def selector_summary(per_input: list[dict], bounds: dict[str, dict[str, float]]) -> dict:
@@ -816,6 +882,10 @@ def first_divergence(report: dict) -> dict | None:
     if selector.get("failures"):  # DFlash 2: after every named intermediate, the selector's lattice
         return {"stage": "graph", "name": "selector", "layer": None,
                 "message": "selector: " + "; ".join(selector["failures"])}
+    drafts = graph.get("drafts") or {}
+    if drafts.get("failures"):  # a chain draft: after every named intermediate, the tokens drafted
+        return {"stage": "graph", "name": "drafted tokens", "layer": None,
+                "message": "drafted tokens: " + "; ".join(drafts["failures"])}
 
     e2e = st.get("end_to_end", {})
     for d in e2e.get("divergence", []):

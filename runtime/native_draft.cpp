@@ -4,6 +4,7 @@
 
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "gguf.h"
 #include "llama-ext.h"  // llama_model_target_layer_ids (pinned internal API, as common/speculative.cpp uses)
 
 #include <algorithm>
@@ -88,6 +89,24 @@ traced_tensor read_tensor(const ggml_tensor * t) {
 // K x K scores (index pred * K + cand)
 const char * const kLattice = "dflash2_lattice";
 
+// DSpark's Markov head in llama.cpp's graph names none of its tensors: a slot's bias is the product
+// with markov_w2 and the token it conditions on the row index of its get_rows from markov_w1
+enum class markov_node { none, bias, prev };
+
+markov_node markov_node_of(const ggml_tensor * t) {
+    const ggml_tensor * w = t->src[0];
+    if (w == nullptr) {
+        return markov_node::none;
+    }
+    if (t->op == GGML_OP_MUL_MAT && std::strcmp(ggml_get_name(w), "markov_w2.weight") == 0) {
+        return markov_node::bias;
+    }
+    if (t->op == GGML_OP_GET_ROWS && std::strcmp(ggml_get_name(w), "markov_w1.weight") == 0) {
+        return markov_node::prev;
+    }
+    return markov_node::none;
+}
+
 struct batch_guard {
     llama_batch_ext * b;
     ~batch_guard() { llama_batch_ext_free(b); }
@@ -137,6 +156,20 @@ native_draft::native_draft(const native_draft_params & params, target_runner & t
         causal_ = std::strcmp(buf, "true") == 0;
     }
     selector_top_k_ = std::max(0, llama_model_dflash_selector_top_k(model_));  // > 0: a DFlash 2 draft
+    {   // the tool picks draft-dspark for a draft with a Markov head (common_speculative_types_from_gguf)
+        const gguf_init_params gp = { /*no_alloc*/ true, /*ctx*/ nullptr };
+        gguf_context * g = gguf_init_from_file(params.path.c_str(), gp);
+        if (g == nullptr) {
+            llama_model_free(model_);
+            throw std::invalid_argument(params.path + ": cannot read its GGUF tensor list");
+        }
+        dspark_         = gguf_find_tensor(g, "markov_w1.weight") >= 0;
+        has_confidence_ = gguf_find_tensor(g, "conf_proj.weight") >= 0;
+        gguf_free(g);
+    }
+    if (llama_model_meta_val_str(model_, "dflash.sample_from_anchor", buf, sizeof(buf)) >= 0) {
+        sample_from_anchor_ = std::strcmp(buf, "true") == 0;  // missing: true, as the graph and the loop read it
+    }
     n_embd_in_ = (int32_t) target_layers_.size() * target.n_embd();
 
     llama_context_params cparams = llama_context_default_params();
@@ -167,6 +200,9 @@ native_draft::native_draft(const native_draft_params & params, target_runner & t
     if (selector_top_k_ > 0) {
         // as draft-dflash does for DFlash 2: the lattice comes back as nextn rows, one per block token
         llama_set_embeddings_nextn(ctx_, true, /*masked*/ false);
+    } else if (dspark_) {
+        // as draft-dspark does: the confidences come back as nextn rows
+        llama_set_embeddings_nextn(ctx_, true, /*masked*/ true);
     }
     n_ctx_    = std::min((int32_t) llama_n_ctx(ctx_), params.n_ctx);
     n_ubatch_ = (int32_t) llama_n_ubatch(ctx_);
@@ -189,10 +225,75 @@ traced_tensor native_draft::read_lattice(int32_t n_block) const {
     return out;
 }
 
+void native_draft::read_dspark(int32_t n_block, draft_trace & out) const {
+    const int32_t first = sample_from_anchor_ ? 0 : 1;  // draft-dspark reads the slots from here
+    const int32_t n = n_block - first;
+    if ((int32_t) markov_bias_.size() != n || (int32_t) markov_prev_.size() != n) {
+        throw std::runtime_error("native draft: llama.cpp's graph computed " + std::to_string(markov_bias_.size()) +
+                                 " Markov biases on " + std::to_string(markov_prev_.size()) + " tokens for " +
+                                 std::to_string(n) + " drafted slots");
+    }
+    const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model_));
+    const float * logits = llama_get_logits(ctx_);
+    if (logits == nullptr) {
+        throw std::runtime_error("native draft: the DSpark block produced no logits");
+    }
+    traced_tensor & biased = out["biased_logits"];
+    biased.shape = { n_vocab, n };
+    biased.data.assign(logits + (size_t) first * n_vocab, logits + (size_t) n_block * n_vocab);
+    traced_tensor & bias = out["markov_bias"];
+    traced_tensor & prev = out["markov_prev"];
+    bias.shape = { n_vocab, n };
+    prev.shape = { n };
+    for (int32_t i = 0; i < n; ++i) {
+        if ((int32_t) markov_bias_[i].size() != n_vocab) {
+            throw std::runtime_error("native draft: a Markov bias of " + std::to_string(markov_bias_[i].size()) +
+                                     " values, the vocabulary has " + std::to_string(n_vocab));
+        }
+        if (markov_prev_[i] < 0) {
+            throw std::runtime_error("native draft: the Markov head's token at slot " + std::to_string(i) +
+                                     " is not one i32 row index");
+        }
+        bias.data.insert(bias.data.end(), markov_bias_[i].begin(), markov_bias_[i].end());
+        prev.data.push_back((float) markov_prev_[i]);
+    }
+    if (has_confidence_) {
+        const float * rows = llama_get_embeddings_nextn(ctx_);
+        if (rows == nullptr) {
+            throw std::runtime_error("native draft: the DSpark confidence head produced no nextn rows");
+        }
+        const int32_t n_embd = llama_model_n_embd(model_);
+        traced_tensor & conf = out["confidence"];
+        conf.shape = { n };
+        for (int32_t i = first; i < n_block; ++i) {
+            conf.data.push_back(rows[(size_t) i * n_embd]);  // broadcast across the row; the loop reads column 0
+        }
+    }
+}
+
 bool native_draft::on_eval(ggml_tensor * t, bool ask, void * user_data) {
     auto * self = static_cast<native_draft *>(user_data);
     if (self->recording_ == nullptr) {
         return ask ? false : true;
+    }
+    if (self->dspark_ && !self->encoding_) {
+        const markov_node kind = markov_node_of(t);
+        if (kind != markov_node::none) {
+            if (ask) {
+                return true;
+            }
+            if (kind == markov_node::bias) {
+                self->markov_bias_.push_back(read_tensor(t).data);
+            } else {
+                const ggml_tensor * rows = t->src[1];  // [n_blocks] i32, computed before this node
+                int32_t id = -1;  // not one i32 (more than one block): read_dspark refuses it
+                if (rows->type == GGML_TYPE_I32 && ggml_nelements(rows) == 1) {
+                    ggml_backend_tensor_get(rows, &id, 0, sizeof(id));
+                }
+                self->markov_prev_.push_back(id);
+            }
+            return true;
+        }
     }
     const char * name = ggml_get_name(t);
     const bool wanted = self->encoding_ ? std::strcmp(name, "fc_out") == 0 : is_traced(name);
@@ -229,6 +330,11 @@ draft_trace native_draft::trace(const std::vector<float> & features, int32_t n_c
         throw std::invalid_argument("a DFlash 2 block of " + std::to_string(n_block) + " tokens exceeds the trained block of " +
                                     std::to_string(block_size_) + " (llama.cpp's selector lattice holds " +
                                     std::to_string(block_size_) + " rows)");
+    }
+    if (dspark_ && n_block > block_size_) {
+        // llama.cpp's graph leaves out the Markov bias for a longer block; draft-dspark clamps to the trained one
+        throw std::invalid_argument("a DSpark block of " + std::to_string(n_block) + " tokens exceeds the trained block of " +
+                                    std::to_string(block_size_));
     }
     if (n_ctx_tokens + n_block > n_ctx_ || std::max(n_ctx_tokens, n_block) > n_ubatch_) {
         throw std::invalid_argument("features (" + std::to_string(n_ctx_tokens) + ") + block (" + std::to_string(n_block) +
@@ -286,9 +392,14 @@ draft_trace native_draft::trace(const std::vector<float> & features, int32_t n_c
             llama_batch_ext_set_pos(batch.b, idx, pos);
             llama_batch_ext_set_output_logits(batch.b, idx, selector_top_k_ == 0);
         }
+        markov_bias_.clear();
+        markov_prev_.clear();
         run(LLAMA_PROCESS_TYPE_DECODE, "block");
         if (selector_top_k_ > 0) {
             out[kLattice] = read_lattice(n_block);
+        }
+        if (dspark_) {
+            read_dspark(n_block, out);
         }
     } catch (...) {
         recording_ = nullptr;

@@ -8,7 +8,16 @@
 //   2. a token batch of the block at positions n..n+B-1 with logits on, under the attention mode
 //      `draft-dflash` sets (llama_set_causal_attn(ctx, dflash.attention.causal), default off); for a
 //      DFlash 2 draft (dflash.selector.top_k > 0) with logits off and nextn embeddings unmasked, the
-//      selector's packed lattice read back with llama_get_embeddings_nextn as `dflash2_lattice`.
+//      selector's packed lattice read back with llama_get_embeddings_nextn as `dflash2_lattice`;
+//      for a DSpark draft (a `markov_w1.weight`, which makes the tool pick `draft-dspark`) with
+//      nextn embeddings on and masked, as `draft-dspark` sets them, and read back as that loop reads
+//      them: the biased logits of the drafted slots (from slot 0 when `dflash.sample_from_anchor`,
+//      missing or "true", else from slot 1) through llama_get_logits as `biased_logits`, each
+//      slot's confidence as the first column of its nextn row as `confidence` (with `conf_proj`).
+//      The Markov head's own tensors are not named in llama.cpp's graph: each slot's bias is the
+//      graph's product with `markov_w2.weight` (`markov_bias`) and the token it conditions on the
+//      row index of its get_rows from `markov_w1.weight` (`markov_prev`), both read in the eval
+//      callback as the graph computes them.
 //
 // Every tensor of the shared vocabulary is read through the context's eval callback. The decoder
 // graph has no `fc_out` (it names only the normed `inp_g_embeddings`); `fc_out` is read from one
@@ -51,11 +60,14 @@ public:
     int32_t block_size()    const { return block_size_; }
     bool    causal()        const { return causal_; }
     int32_t selector_top_k() const { return selector_top_k_; }  // 0: DFlash 1
+    bool    dspark()        const { return dspark_; }              // a Markov head: draft-dspark
+    bool    sample_from_anchor() const { return sample_from_anchor_; }  // as llama.cpp reads the key
     int32_t n_ctx()         const { return n_ctx_; }
 
 private:
     static bool on_eval(struct ggml_tensor * t, bool ask, void * user_data);
     traced_tensor read_lattice(int32_t n_block) const;
+    void read_dspark(int32_t n_block, draft_trace & out) const;
 
     target_runner &      target_;
     llama_model *        model_ = nullptr;
@@ -65,10 +77,14 @@ private:
     int32_t              block_size_    = 16;
     bool                 causal_        = false;
     int32_t              selector_top_k_ = 0;
+    bool                 dspark_ = false, has_confidence_ = false, sample_from_anchor_ = true;
     int32_t              n_ctx_ = 0, n_ubatch_ = 0, n_embd_in_ = 0;
 
     draft_trace *        recording_ = nullptr;  // where on_eval stores tensors; null: record nothing
     bool                 encoding_  = false;    // the encoder pass keeps only fc_out
+    // DSpark: the Markov head's per-slot biases and the tokens they condition on, in graph order
+    std::vector<std::vector<float>> markov_bias_;
+    std::vector<int32_t>            markov_prev_;
 };
 
 } // namespace dflash
