@@ -35,6 +35,7 @@ class Pair:
     family: str = "qwen3"  # kind = fixture: the tiny target's family (dflash_llama.families)
     skip: str | None = None  # why the pair cannot run today (printed; `--all` goes on)
     patch: str | None = None  # expect = "fail": the patch (patches/series) that fixes the finding
+    draft_vocab: int = 0  # kind = fixture: a reduced vocabulary of this many tokens (convert --draft-vocab)
 
     def expected(self, patches: tuple[str, ...] = ()) -> str:
         """"pass" or "fail" with llama.cpp's tools built with `patches` (none: the pinned build)."""
@@ -64,8 +65,12 @@ def load(path: str | os.PathLike = REGISTRY_PATH) -> tuple[list[Pair], dict]:
     for i, raw in enumerate(data.get("pair", [])):
         if "name" not in raw or raw.get("kind") not in ("fixture", "default", "files"):
             raise ValueError(f"{path}: pair {i} needs a name and kind = fixture, default or files")
-        if "family" in raw and raw["kind"] != "fixture":
-            raise ValueError(f"{path}: pair {raw['name']}: family applies to kind = fixture only")
+        for key in ("family", "draft_vocab"):
+            if key in raw and raw["kind"] != "fixture":
+                raise ValueError(f"{path}: pair {raw['name']}: {key} applies to kind = fixture only")
+        vocab = raw.get("draft_vocab", 0)
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0:
+            raise ValueError(f"{path}: pair {raw['name']}: draft_vocab must be a token count >= 0, got {vocab!r}")
         family = raw.get("family", "qwen3")
         try:
             families.get(family)
@@ -76,7 +81,7 @@ def load(path: str | os.PathLike = REGISTRY_PATH) -> tuple[list[Pair], dict]:
                           target=raw.get("target"), draft=raw.get("draft") if raw["kind"] == "files" else None,
                           draft_hf=raw.get("draft_hf"), target_hf=raw.get("target_hf"),
                           expect=raw.get("expect", "pass"), finding=raw.get("finding"), family=family,
-                          skip=raw.get("skip"), patch=raw.get("patch")))
+                          skip=raw.get("skip"), patch=raw.get("patch"), draft_vocab=vocab))
         if raw.get("patch") is not None and raw.get("expect") != "fail":
             raise ValueError(f"{path}: pair {raw['name']}: patch names the fix of a finding: "
                              f"it needs expect = \"fail\"")
@@ -118,12 +123,12 @@ def tiny_target(cache: Path, family: str = "qwen3") -> tuple[Path, Path]:
     return hf, gguf
 
 
-def _converted(hf: Path, target: Path, out: Path, outtype: str) -> Path:
+def _converted(hf: Path, target: Path, out: Path, outtype: str, draft_vocab: int = 0) -> Path:
     from dflash_llama.converter import convert
 
     if not out.exists() or out.stat().st_mtime < (hf / "model.safetensors").stat().st_mtime:
         tmp = out.with_suffix(".tmp.gguf")
-        convert(hf, target, tmp, outtype=outtype)
+        convert(hf, target, tmp, outtype=outtype, draft_vocab=draft_vocab)
         tmp.rename(out)
     return out
 
@@ -141,7 +146,8 @@ def resolve(pair: Pair, defaults: dict, cache: Path | None = None) -> Resolved:
         hf = cache / f"{pair.name}-{pair.family}-draft-hf"
         if not (hf / "model.safetensors").exists():
             fixtures.tiny_draft_hf(hf, target_hf, cfg)
-        draft = _converted(hf, target, cache / f"{pair.name}-{pair.family}-draft-{pair.outtype}.gguf", pair.outtype)
+        draft = _converted(hf, target, cache / f"{pair.name}-{pair.family}-draft-{pair.outtype}.gguf", pair.outtype,
+                           pair.draft_vocab)
         return Resolved(pair, target=target, draft=draft, draft_hf=hf, target_hf=target_hf)
     if pair.kind == "default":
         target = fixtures.smollm2_gguf()
