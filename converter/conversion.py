@@ -50,18 +50,28 @@ class Plan:
     draft_dir: Path
     config: DraftHParams  # target_layer_ids resolved
     target: TargetInfo
-    tensors: list[tuple[str, SourceTensor]]  # (GGUF name, source), in writing order
+    tensors: list[tuple[str, SourceTensor | Rows]]  # (GGUF name, source), in writing order
     vocabulary: np.ndarray | None = None  # a reduced vocabulary: the target ids the head keeps, ascending
-    own_head: OwnHead | None = None  # ... its rows from the checkpoint (else from the target's head)
+    own_head: Rows | None = None  # ... its rows from the checkpoint (else from the target's head)
 
 
 @dataclass(frozen=True)
-class OwnHead:
-    """A reduced vocabulary's head saved in the checkpoint (`lm_head.weight` [K, n_embd] beside its
-    `d2t`, as speculators saves one): row `rows[i]` stands for the i-th of the ascending ids."""
+class Rows:
+    """Rows of a checkpoint tensor, in the order a reduced vocabulary's ascending ids want them: a
+    head saved beside a `d2t` (`lm_head.weight` [K, n_embd], as speculators saves one) or a DSpark
+    draft's `markov_w2`, where row `rows[i]` stands for the i-th id; or a whole-vocabulary markov_w2's
+    rows of the ids `--draft-vocab` keeps."""
 
     source: SourceTensor
     rows: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.rows), *self.source.shape[1:])
+
+    @property
+    def dtype(self) -> str:
+        return self.source.dtype
 
     def load_f32(self) -> np.ndarray:
         return np.ascontiguousarray(self.source.load_f32()[self.rows])
@@ -71,8 +81,9 @@ def convert(draft_dir: str | os.PathLike, target: str | os.PathLike, out: str | 
             outtype: str = "auto", draft_vocab: int = 0) -> Path:
     """Convert a DFlash draft checkpoint; `target` is the target's GGUF or HF directory.
 
-    draft_vocab K > 0: a reduced vocabulary of K target tokens (`d2t` and the target head's rows as
-    the draft's own `output.weight`; see `vocabulary`); 0: the draft uses the target's whole head.
+    draft_vocab K > 0: a reduced vocabulary of K target tokens (`d2t` and the target head's rows, or
+    the draft's own head's, as the draft's own `output.weight`, a DSpark draft's markov_w2 cut to the
+    same rows; see `vocabulary`); 0: the draft uses the target's whole head.
 
     Raises ConversionError for bad input. The output appears only when complete (written to a
     temporary file in the same directory, then renamed); a failure leaves nothing behind.
@@ -85,14 +96,14 @@ def convert(draft_dir: str | os.PathLike, target: str | os.PathLike, out: str | 
     if out.is_dir():
         raise ConversionError(f"output {out} is a directory: name the GGUF file to write")
     plan = make_plan(Path(draft_dir), target)
-    if draft_vocab and L.MARKOV in plan.config.heads:
-        raise ConversionError(f"--draft-vocab {draft_vocab}: a reduced vocabulary for a DSpark draft is not supported "
-                              "yet (its markov_w2 covers the whole vocabulary)")
     if draft_vocab and plan.vocabulary is not None:
         raise ConversionError(f"--draft-vocab {draft_vocab}: the checkpoint {draft_dir} has a reduced vocabulary of "
                               f"its own ({len(plan.vocabulary)} tokens, d2t)")
-    if draft_vocab:
-        plan = dataclasses.replace(plan, vocabulary=choose_tokens(plan.target, draft_vocab))
+    if draft_vocab:  # the rows of the kept tokens: of the draft's own head if it has one, of its W2 (DSpark)
+        ids = choose_tokens(plan.target, draft_vocab)
+        own = next((src for name, src in plan.tensors if name == "output.weight"), None)
+        plan = dataclasses.replace(plan, vocabulary=ids, own_head=None if own is None else Rows(own, ids),
+                                   tensors=[t for t in _markov_rows(plan.tensors, ids) if t[0] != "output.weight"])
     if outtype == "auto":
         outtype = _guess_outtype(plan)
     if outtype in NATIVE_OUTTYPES:
@@ -125,11 +136,9 @@ def make_plan(draft_dir: Path, target: str | os.PathLike) -> Plan:
     if L.checkpoint_format(raw) == "speculators":
         _drop_verifier_copies(tensors)
     tgt = read_target(target)
-    if cfg.variant is L.DSPARK or cfg.sample_from_anchor:
-        if _named(tensors, L.D2T) is not None:
-            raise ConversionError(f"{draft_dir}: a reduced vocabulary (d2t) for a DSpark draft is not supported yet")
+    vocabulary, own_head, order = _checkpoint_vocabulary(draft_dir, config, tensors, tgt, cfg.n_embd)
+    if cfg.variant is L.DSPARK or cfg.sample_from_anchor:  # (a reduced vocabulary's own head taken above)
         _own_copies(draft_dir, tensors, tgt)
-    vocabulary, own_head = _checkpoint_vocabulary(draft_dir, config, tensors, tgt, cfg.n_embd)
 
     if cfg.n_embd != tgt.hidden:
         raise ConversionError(f"{where}: hidden size mismatch: the draft has hidden_size {cfg.n_embd}, "
@@ -169,8 +178,22 @@ def make_plan(draft_dir: Path, target: str | os.PathLike) -> Plan:
                     "file (\"layer input tensor is null\")", tgt.n_layer - 1)
 
     cfg = dataclasses.replace(cfg, target_layer_ids=list(ids))
-    return Plan(draft_dir, cfg, tgt, _map_tensors(cfg, tensors, cfg.dims(tgt.vocab), draft_dir), vocabulary,
-                own_head)
+    dims = cfg.dims(tgt.vocab, None if vocabulary is None else len(vocabulary))
+    mapped = _map_tensors(cfg, tensors, dims, draft_dir)
+    scale = next((src for name, src in mapped if name == L.MARKOV_SCALE), None)
+    if scale is not None:
+        try:
+            L.markov_scale(scale.load_f32())
+        except ValueError as e:
+            raise ConversionError(f"{draft_dir}: {e}") from e
+    if order is not None:  # a DSpark checkpoint's W2 over its d2t's rows: in the ascending ids' order
+        mapped = _markov_rows(mapped, order)
+    return Plan(draft_dir, cfg, tgt, mapped, vocabulary, own_head)
+
+
+def _markov_rows(tensors: list[tuple[str, SourceTensor | Rows]], rows: np.ndarray) -> list:
+    """`tensors` with a DSpark draft's markov_w2 (if any) cut to `rows`: W2's rows are the draft's tokens."""
+    return [(name, Rows(src, rows) if name == "markov_w2.weight" else src) for name, src in tensors]
 
 
 # speculators' copies of what the verifier owns (frozen, reloaded from the verifier; which of them a
@@ -225,10 +248,11 @@ def _pop(tensors: dict[str, SourceTensor], name: str) -> SourceTensor | None:
 
 
 def _checkpoint_vocabulary(draft_dir: Path, config: dict, tensors: dict[str, SourceTensor], tgt: TargetInfo,
-                           n_embd: int) -> tuple[np.ndarray | None, OwnHead | None]:
+                           n_embd: int) -> tuple[np.ndarray | None, Rows | None, np.ndarray | None]:
     """A checkpoint's own reduced vocabulary (taken out of `tensors`): its `d2t` as EAGLE-3, DSpark and
     speculators store it, offsets (target id = i + d2t[i]), and `draft_vocab_size`; the ids, absolute,
-    ascending and checked, and its own head if it saved one (`lm_head.weight`). A `t2d` (speculators:
+    ascending and checked, its own head if it saved one (`lm_head.weight`), and the checkpoint rows
+    of the ascending ids (a DSpark draft's markov_w2 is over its rows too). A `t2d` (speculators:
     the same map as a mask over the target's vocabulary) is checked against the `d2t`, then dropped,
     as the pinned converter drops it."""
     src, t2d = _pop(tensors, L.D2T), _pop(tensors, "t2d")
@@ -239,7 +263,7 @@ def _checkpoint_vocabulary(draft_dir: Path, config: dict, tensors: dict[str, Sou
                                   f"has no d2t tensor mapping its rows to the target's vocabulary")
         if t2d is not None:
             raise ConversionError(f"{draft_dir}: tensor 't2d' without a 'd2t': a reduced vocabulary needs both")
-        return None, None
+        return None, None, None
     if len(src.shape) != 1 or (size is not None and size != src.shape[0]):
         raise ConversionError(f"{draft_dir}: tensor 'd2t' has shape {list(src.shape)}, expected "
                               f"[{size if size is not None else 'draft_vocab_size'}]")
@@ -256,7 +280,7 @@ def _checkpoint_vocabulary(draft_dir: Path, config: dict, tensors: dict[str, Sou
         raise ConversionError(f"{draft_dir}: tensor 'lm_head.weight' has shape {list(head.shape)}, expected "
                               f"[{ids.size}, {n_embd}] (the head of the reduced vocabulary its 'd2t' maps)")
     order = np.argsort(ids)
-    return ids[order], None if head is None else OwnHead(head, order)
+    return ids[order], None if head is None else Rows(head, order), order
 
 
 def _map_tensors(cfg: DraftHParams, tensors: dict[str, SourceTensor], dims: dict[str, int],

@@ -40,16 +40,24 @@ def load_draft(path: str | os.PathLike, embed_tokens: torch.Tensor | None = None
         cfg, tensors = read_hf_config(path), _canonical_names(path, _read_safetensors(path))
         d2t = tensors.pop(S.D2T, None)  # a reduced vocabulary: offsets, target id = row + d2t[row]
         own = _own_copies(cfg, tensors)
-        _check_shapes(path, cfg, tensors)
+        _check_shapes(path, cfg, tensors, None if d2t is None else len(d2t))
         if not cfg.rope_neox:  # interleaved-pair RoPE -> NeoX halves, per head, like llama.cpp's converter
             tensors = {n: interleaved_to_halves(t, cfg.head_dim) if S.is_rope_permuted(S.gguf_tensor_name(n)[0])
                        else t for n, t in tensors.items()}
-        vocabulary = None if d2t is None else (torch.arange(len(d2t)) + d2t.long(), None)
+        # a DSpark checkpoint's own head with its d2t is the reduced vocabulary's (speculators')
+        vocabulary = None if d2t is None else (torch.arange(len(d2t)) + d2t.long(), own.pop("lm_head", None))
     else:
         cfg, tensors, vocabulary = read_draft_gguf(path)
         own = {"lm_head": tensors.pop("lm_head.weight")} if "lm_head.weight" in tensors else {}
+    scale = tensors.pop(_MARKOV_SCALE, None)
 
-    draft = DFlashDraft(cfg)
+    # a DSpark draft's W2 over a reduced vocabulary's rows, as the file holds it
+    draft = DFlashDraft(cfg, None if vocabulary is None else len(vocabulary[0]))
+    if scale is not None:
+        try:
+            draft.markov_head.scale = S.markov_scale(scale)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
     with torch.no_grad():
         for name, p in draft.named_parameters():
             p.copy_(tensors[name].to(torch.float32))
@@ -127,10 +135,17 @@ def _canonical_names(source, tensors: dict[str, torch.Tensor]) -> dict[str, torc
     return out
 
 
-def _check_shapes(source, cfg: DraftConfig, tensors: dict) -> None:
-    """Exactly the required tensors of the layout table, in the shapes the config implies."""
-    shapes = {spec.hf.format(bid=bid): tuple(reversed(S.expected_shape(spec, cfg.dims())))
-              for spec in cfg.tensor_specs()
+_MARKOV_SCALE = S.hf_tensor_name(S.MARKOV_SCALE)[0]
+
+
+def _check_shapes(source, cfg: DraftConfig, tensors: dict, n_vocab_draft: int | None = None) -> None:
+    """Exactly the required tensors of the layout table (and a head's optional ones it holds: a DSpark
+    draft's markov_w2.scale), in the shapes the config implies; n_vocab_draft: a reduced vocabulary's
+    size (the rows of a DSpark draft's markov_w2)."""
+    dims = cfg.dims(n_vocab_draft=n_vocab_draft)
+    shapes = {spec.hf.format(bid=bid): tuple(reversed(S.expected_shape(spec, dims)))
+              for spec in cfg.tensor_specs(required_only=False)
+              if spec.required or (spec.head and spec.hf in tensors)
               for bid in (range(cfg.n_layer) if "{bid}" in spec.hf else [None])}
     missing = sorted(set(shapes) - set(tensors))
     if missing:
@@ -166,7 +181,8 @@ def read_draft_gguf(path: Path) -> tuple[DraftConfig, dict, tuple[torch.Tensor, 
     if any(t.name == S.D2T for t in info.tensors):
         vocabulary = read_tensor(info, S.D2T), tensors.pop("lm_head.weight")
     _restore_unit_dims(cfg, tensors)
-    _check_shapes(path, cfg, {k: v for k, v in tensors.items() if k != "lm_head.weight"})
+    _check_shapes(path, cfg, {k: v for k, v in tensors.items() if k != "lm_head.weight"},
+                  None if vocabulary is None else len(vocabulary[0]))
     return cfg, tensors, vocabulary
 
 

@@ -63,7 +63,8 @@ A DSpark draft (`schema.DSPARK`) adds a Markov head and, optionally, a confidenc
 anchor + k), else slots 1..B-1 as DFlash's. With n = drafted slots:
 
     markov_prev         [n]           the token before each slot: the anchor, then the chain's drafts
-    markov_bias         [n, V]        markov_w2(markov_w1[markov_prev]): the bias on each slot's logits
+    markov_bias         [n, V]        scale * markov_w2(markov_w1[markov_prev]): the bias on each slot's
+                                      logits (a reduced vocabulary's: scattered through d2t, 0 elsewhere)
     biased_logits       [n, V]        the slot's logits (as DFlash's) + markov_bias: what it drafts from
     confidence          [n]           sigmoid(conf_proj . [result_norm ; markov_w1[markov_prev]] + b)
 
@@ -383,16 +384,27 @@ class Chain:
 
 class MarkovHead(nn.Module):
     """DSpark's vanilla Markov head: a rank-R bias on a slot's logits from the token before it,
-    markov_w2(markov_w1[prev]) (W1 rows: target tokens; W2 rows: draft tokens)."""
+    scale * markov_w2(markov_w1[prev]) (W1 rows: target tokens; W2 rows: draft tokens, the whole
+    vocabulary or a reduced one's rows; scale: a GGUF's optional `markov_w2.scale`, else none)."""
 
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: DraftConfig, n_rows: int | None = None):
         super().__init__()
         self.markov_w1 = nn.Embedding(cfg.n_vocab, cfg.markov_rank)
-        self.markov_w2 = nn.Linear(cfg.markov_rank, cfg.n_vocab, bias=False)
+        self.markov_w2 = nn.Linear(cfg.markov_rank, n_rows or cfg.n_vocab, bias=False)
+        self.over_vocabulary = n_rows is None  # W2's rows: every target token, in id order
+        self.scale: float | None = None
+
+    def keep_rows(self, ids: torch.Tensor) -> None:
+        """W2 over a reduced vocabulary: its rows of target tokens `ids`, taken from W2 over the whole
+        vocabulary (as the converter's --draft-vocab takes them)."""
+        w = self.markov_w2.weight
+        self.markov_w2.weight = nn.Parameter(w.detach()[ids].clone(), requires_grad=w.requires_grad)
+        self.markov_w2.out_features, self.over_vocabulary = len(ids), False
 
     def forward(self, prev: torch.Tensor) -> torch.Tensor:
-        """prev: [...] token ids -> the bias [..., V]."""
-        return self.markov_w2(self.markov_w1(prev))
+        """prev: [...] target token ids -> the bias [..., W2's rows]."""
+        bias = self.markov_w2(self.markov_w1(prev))
+        return bias if self.scale is None else bias * self.scale
 
 
 class ConfidenceHead(nn.Module):
@@ -416,7 +428,9 @@ def greedy_pick(logits: torch.Tensor) -> tuple[int, None]:
 class DFlashDraft(nn.Module):
     """fc + hidden_norm over the target features, decoder layers over the block, final norm."""
 
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: DraftConfig, n_vocab_draft: int | None = None):
+        """n_vocab_draft: a reduced vocabulary's size, when a DSpark draft's W2 is over its rows
+        already (a GGUF's, a checkpoint's with its d2t); `set_vocabulary` says which tokens."""
         super().__init__()
         self.config = cfg
         self.fc = nn.Linear(cfg.n_taps * cfg.n_embd, cfg.n_embd, bias=False)
@@ -424,7 +438,7 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg, il) for il in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
         self.candidate_selector = CandidateSelector(cfg) if cfg.variant.has(SELECTOR) else None
-        self.markov_head = MarkovHead(cfg) if MARKOV in cfg.heads else None
+        self.markov_head = MarkovHead(cfg, n_vocab_draft) if MARKOV in cfg.heads else None
         self.confidence_head = ConfidenceHead(cfg) if CONFIDENCE in cfg.heads else None
         self._own = {"embed_tokens": False, "lm_head": False}  # the draft's own (a checkpoint's), kept
         self.embed_tokens: torch.Tensor | None = None  # the target's, [V, H]
@@ -449,11 +463,15 @@ class DFlashDraft(nn.Module):
         if d2t.numel() and (int(d2t.min()) < 0 or int(d2t.max()) >= cfg.n_vocab
                             or d2t.unique().numel() != d2t.numel()):
             raise ValueError(f"d2t must hold distinct token ids below the vocabulary size {cfg.n_vocab}")
-        if self.markov_head is not None:
-            raise ValueError("a reduced vocabulary for a DSpark draft is not supported yet")
+        markov = self.markov_head
+        if markov is not None and not markov.over_vocabulary and markov.markov_w2.out_features != d2t.numel():
+            raise ValueError(f"the Markov head's markov_w2 has {markov.markov_w2.out_features} rows, the reduced "
+                             f"vocabulary {d2t.numel()} tokens")
         if cfg.selector_top_k > d2t.numel():
             raise ValueError(f"selector_top_k {cfg.selector_top_k} is larger than the draft vocabulary "
                              f"({d2t.numel()} tokens)")
+        if markov is not None and markov.over_vocabulary:  # W2's rows of those tokens, as the head's
+            markov.keep_rows(d2t)
         self._head_from_target = head is None
         if head is None and self.lm_head is not None and self.d2t is None:
             head = self.lm_head[d2t]  # the target's head is attached already
@@ -530,7 +548,9 @@ class DFlashDraft(nn.Module):
         slots (the whole block anchor-first, else 1..B-1) left to right, slot k from its logits plus
         the Markov bias of the token before it (the anchor for the first), which is the token slot
         k - 1 drafted. pick(logits [V]) -> (token, distribution [V] or None): greedy by default; the
-        loop's sampler draws from the biased logits."""
+        loop's sampler draws from the biased logits. A reduced vocabulary's bias, over its rows, is
+        scattered to the target's vocabulary (0 elsewhere, where the logits are -inf): every token
+        drafted is one of its d2t, and conditions the next slot by its target id."""
         block_ids = torch.as_tensor(block_ids, dtype=torch.long)
         y = self.block_states(ctx_feat, block_ids, start, cache, trace)
         logits = self.block_logits(y, trace, first=0 if self.config.sample_from_anchor else 1)
@@ -540,7 +560,7 @@ class DFlashDraft(nn.Module):
             rows.append(prev)
             row = logits[k]
             if self.markov_head is not None:
-                biases.append(self.markov_head(torch.tensor(prev)))
+                biases.append(self.to_vocabulary(self.markov_head(torch.tensor(prev)), 0.0))
                 row = row + biases[-1]
             token, p = pick(row)
             tokens.append(token)
@@ -615,11 +635,11 @@ class DFlashDraft(nn.Module):
             trace["result_output"] = self.to_vocabulary(F.linear(y, self.lm_head))
         return self.to_vocabulary(self.finish_logits(logits))
 
-    def to_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
-        """Head rows -> the target's vocabulary: as they are, or scattered through d2t (-inf elsewhere)."""
+    def to_vocabulary(self, logits: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
+        """Head rows -> the target's vocabulary: as they are, or scattered through d2t (`fill` elsewhere)."""
         if self.d2t is None:
             return logits
-        full = logits.new_full((*logits.shape[:-1], self.config.n_vocab), float("-inf"))
+        full = logits.new_full((*logits.shape[:-1], self.config.n_vocab), fill)
         full[..., self.d2t] = logits
         return full
 

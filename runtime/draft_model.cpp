@@ -7,6 +7,7 @@
 #include "llama.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -269,6 +270,7 @@ constexpr known_tensor kKnownTensors[] = {
     { "selector_successor.weight", draft_head::selector, false },
     { "selector_hidden.weight", draft_head::selector, false },
     { "markov_w1.weight", draft_head::markov, false }, { "markov_w2.weight", draft_head::markov, false },
+    { "markov_w2.scale", draft_head::markov, false },
     { "conf_proj.weight", draft_head::confidence, false }, { "conf_proj.bias", draft_head::confidence, false },
 };
 
@@ -309,14 +311,8 @@ void refuse_unknown_tensors(const gguf_context * ctx, const draft_hparams & hp, 
                        "a draft with its own is not supported by this runtime" +
                        std::string(name == "output.weight" ? " (an own head needs a d2t: a reduced vocabulary)" : ""));
         }
-        if (name == "d2t" && variant.has(draft_head::markov)) {
-            fail(path, "tensor 'd2t': a reduced vocabulary for a DSpark draft is not supported yet");
-        }
         if (name == "d2t" || name == "output.weight") {
             continue;
-        }
-        if (name == "markov_w2.scale") {
-            fail(path, "tensor 'markov_w2.scale': a scaled Markov head (markov_w2.scale) is not supported");
         }
         const known_tensor * known = find_known_tensor(name, hp.n_layer);
         if (known == nullptr) {
@@ -445,35 +441,6 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
             l.ffn_conv_proj  = tensor(p + "ffn_conv_proj.weight", { n_embd, n_dynamic });
         }
     }
-    if (hp.variant().has(draft_head::selector)) {
-        // rows by target token: the tokenizer's count, else the file's (checked against the target's)
-        const ggml_tensor * a = ggml_get_tensor(meta, "selector_predecessor.weight");
-        const int64_t n_vocab = hp.n_vocab > 0 ? hp.n_vocab : a != nullptr ? a->ne[1] : 0;
-        const int64_t rank = hp.selector_rank;
-        draft.selector_predecessor = tensor_as("selector_predecessor.weight", { rank, n_vocab }, tensor_role::rows);
-        draft.selector_successor   = tensor_as("selector_successor.weight", { rank, n_vocab }, tensor_role::rows);
-        draft.selector_hidden      = tensor("selector_hidden.weight", { n_embd, rank });
-    }
-    if (hp.variant().has(draft_head::markov)) {
-        // W1 rows by target token, W2 rows by draft token (the whole vocabulary: no d2t); both read
-        // a row at a time by the host, W2 with its type's dot product
-        const int64_t n_vocab = hp.n_vocab > 0 ? hp.n_vocab : ggml_get_tensor(meta, DSPARK.marker)->ne[1];
-        const int64_t rank = hp.markov_rank;
-        draft.markov_w1 = tensor_as(DSPARK.marker, { rank, n_vocab }, tensor_role::rows);
-        draft.markov_w2 = tensor_as("markov_w2.weight", { rank, n_vocab }, tensor_role::rows);
-        if (hp.has_confidence_head) {
-            draft.conf_proj   = tensor_as("conf_proj.weight", { n_embd + rank, 1 }, tensor_role::rows);
-            draft.conf_proj_b = tensor("conf_proj.bias", { 1 });
-        }
-        for (const ggml_tensor * t : { draft.markov_w1, draft.markov_w2, draft.conf_proj }) {
-            if (t != nullptr && t->ne[0] % ggml_blck_size(t->type) != 0) {
-                fail(path, "tensor '" + std::string(ggml_get_name(t)) + "': type " + ggml_type_name(t->type) +
-                           " needs rows of a multiple of " + std::to_string(ggml_blck_size(t->type)) + " values, got " +
-                           std::to_string(t->ne[0]));
-            }
-        }
-    }
-
     if (ggml_get_tensor(meta, "d2t") != nullptr) {  // a reduced vocabulary: an own head over its rows
         const int64_t n_draft_vocab = ggml_get_tensor(meta, "d2t")->ne[0];
         if (n_draft_vocab < 1 || n_draft_vocab > INT32_MAX) {
@@ -488,6 +455,45 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
         if (hp.selector_top_k > n_draft_vocab) {
             fail(path, "dflash.selector_top_k: " + std::to_string(hp.selector_top_k) + ", expected at most the " +
                        std::to_string(n_draft_vocab) + " rows of the reduced vocabulary (d2t)");
+        }
+    }
+
+    if (hp.variant().has(draft_head::selector)) {
+        // rows by target token: the tokenizer's count, else the file's (checked against the target's)
+        const ggml_tensor * a = ggml_get_tensor(meta, "selector_predecessor.weight");
+        const int64_t n_vocab = hp.n_vocab > 0 ? hp.n_vocab : a != nullptr ? a->ne[1] : 0;
+        const int64_t rank = hp.selector_rank;
+        draft.selector_predecessor = tensor_as("selector_predecessor.weight", { rank, n_vocab }, tensor_role::rows);
+        draft.selector_successor   = tensor_as("selector_successor.weight", { rank, n_vocab }, tensor_role::rows);
+        draft.selector_hidden      = tensor("selector_hidden.weight", { n_embd, rank });
+    }
+    if (hp.variant().has(draft_head::markov)) {
+        // W1 rows by target token, W2 rows by draft token (the whole vocabulary, or a reduced one's
+        // rows); both read a row at a time by the host, W2 with its type's dot product; an optional
+        // f32 factor on W2's product (markov_w2.scale, llama.cpp's per-tensor scale)
+        const int64_t n_vocab = hp.n_vocab > 0 ? hp.n_vocab : ggml_get_tensor(meta, DSPARK.marker)->ne[1];
+        const int64_t rank = hp.markov_rank;
+        draft.markov_w1 = tensor_as(DSPARK.marker, { rank, n_vocab }, tensor_role::rows);
+        draft.markov_w2 = tensor_as("markov_w2.weight", { rank, draft.reduced_vocab() ? draft.d2t->ne[0] : n_vocab },
+                                    tensor_role::rows);
+        if (const ggml_tensor * s = ggml_get_tensor(meta, "markov_w2.scale"); s != nullptr) {
+            if (ggml_nelements(s) != 1) {  // in schema's words
+                std::string shape;
+                for (int d = 0; d < ggml_n_dims(s); ++d) shape += (d ? ", " : "") + std::to_string(s->ne[d]);
+                fail(path, "tensor 'markov_w2.scale' has shape [" + shape + "]: expected [1] (one factor)");
+            }
+            draft.markov_w2_s = tensor("markov_w2.scale", { 1 });
+        }
+        if (hp.has_confidence_head) {
+            draft.conf_proj   = tensor_as("conf_proj.weight", { n_embd + rank, 1 }, tensor_role::rows);
+            draft.conf_proj_b = tensor("conf_proj.bias", { 1 });
+        }
+        for (const ggml_tensor * t : { draft.markov_w1, draft.markov_w2, draft.conf_proj }) {
+            if (t != nullptr && t->ne[0] % ggml_blck_size(t->type) != 0) {
+                fail(path, "tensor '" + std::string(ggml_get_name(t)) + "': type " + ggml_type_name(t->type) +
+                           " needs rows of a multiple of " + std::to_string(ggml_blck_size(t->type)) + " values, got " +
+                           std::to_string(t->ne[0]));
+            }
         }
     }
 
@@ -509,7 +515,7 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
     // the selector's codebooks and the DSpark heads go to host memory (only the host reads them), the
     // rest into one buffer of `buft`; then every tensor's bytes are read from the file
     allocate_on_host(draft, { draft.selector_predecessor, draft.selector_successor, draft.markov_w1, draft.markov_w2,
-                              draft.conf_proj, draft.conf_proj_b });
+                              draft.markov_w2_s, draft.conf_proj, draft.conf_proj_b });
     draft.buf = ggml_backend_alloc_ctx_tensors_from_buft(meta, buft);
     if (draft.buf == nullptr) {
         fail(path, "cannot allocate the draft's weights");
@@ -537,6 +543,14 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
             ggml_backend_tensor_set(t, f32.data(), 0, ggml_nbytes(t));
         } else {
             ggml_backend_tensor_set(t, staging.data(), 0, nbytes);
+        }
+        if (t == draft.markov_w2_s) {
+            float scale;
+            std::memcpy(&scale, staging.data(), sizeof(scale));
+            if (!std::isfinite(scale)) {  // in schema.markov_scale's words
+                fail(path, std::string("tensor 'markov_w2.scale' is ") + (std::isnan(scale) ? "nan" : scale > 0 ? "inf" : "-inf") +
+                           ": expected a finite factor");
+            }
         }
         if (t == draft.d2t) {
             const auto * ids = (const int64_t *) staging.data();

@@ -122,10 +122,13 @@ struct draft_model {
     ggml_tensor * selector_predecessor = nullptr;
     ggml_tensor * selector_successor   = nullptr;
     ggml_tensor * selector_hidden      = nullptr;
-    // DSpark's Markov head W1 [rank, n_vocab] and W2 [rank, n_vocab] (rows by token) and confidence
-    // head [n_embd + rank, 1] + bias [1]: in host memory, read by the host's chain (markov.h)
+    // DSpark's Markov head W1 [rank, n_vocab] (rows by target token), W2 [rank, n_vocab] (rows by draft
+    // token: a reduced vocabulary's n_draft_vocab rows), the optional factor on W2's product [1] (f32,
+    // finite) and the confidence head [n_embd + rank, 1] + bias [1]: in host memory, read by the
+    // host's chain (markov.h)
     ggml_tensor * markov_w1   = nullptr;
     ggml_tensor * markov_w2   = nullptr;
+    ggml_tensor * markov_w2_s = nullptr;
     ggml_tensor * conf_proj   = nullptr;
     ggml_tensor * conf_proj_b = nullptr;
 

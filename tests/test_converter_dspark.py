@@ -72,10 +72,11 @@ def test_each_format_converts_and_drafts_alike(name, drafts, tiny_target_hf, tin
         gguf.config.variant, cfg.sample_from_anchor, gguf.config.has_confidence_head)
 
 
-def test_an_own_head_is_kept_and_other_embeddings_refused(drafts, tiny_target_hf, reference_target, tmp_path):
-    """A head that is not the target's (an untied target's head, trained, ...) is the draft's output.weight;
-    embeddings that are not the target's are refused; a reduced vocabulary, a gated Markov head and
-    confidence tensors the config does not announce, one line each."""
+def test_an_own_head_is_kept_and_other_embeddings_refused(drafts, tiny_target_hf, tiny_target_gguf, reference_target,
+                                                          tmp_path):
+    """A head that is not the target's (an untied target's head, trained, ...) is the draft's output.weight
+    (with --draft-vocab, its rows of the kept tokens, as W2's); embeddings that are not the target's are
+    refused, as a gated Markov head and confidence tensors the config does not announce, one line each."""
     import shutil
 
     d = shutil.copytree(drafts["anchor_first_conf"], tmp_path / "own" / "draft")
@@ -89,9 +90,11 @@ def test_an_own_head_is_kept_and_other_embeddings_refused(drafts, tiny_target_hf
     gguf.attach_target(reference_target.embed_tokens, reference_target.lm_head)  # the own head stays
     assert torch.equal(gguf.lm_head, hf.lm_head) and chain_tokens(gguf, 1) == chain_tokens(hf, 1)
 
-    with pytest.raises(ValueError, match=r"^--draft-vocab 64: a reduced vocabulary for a DSpark draft is not "
-                                         r"supported yet \(its markov_w2 covers the whole vocabulary\)$"):
-        convert(d, tiny_target_hf, tmp_path / "reduced.gguf", "f32", draft_vocab=64)
+    reduced = gguf_info(convert(d, tiny_target_gguf, tmp_path / "reduced.gguf", "f32", draft_vocab=64))
+    ids = reduced.read(L.D2T)
+    assert len(ids) == 64 and "lm_head.weight" not in {t.name for t in reduced.tensors}
+    for name, hf_name in (("output.weight", "lm_head.weight"), ("markov_w2.weight", "markov_head.markov_w2.weight")):
+        np.testing.assert_array_equal(reduced.read(name), tensors[hf_name].numpy()[ids])
     save_file({**tensors, "embed_tokens.weight": tensors["embed_tokens.weight"] + 1.0}, str(d / "model.safetensors"))
     fails(d, tiny_target_hf, tmp_path, r"draft: tensor 'embed_tokens\.weight' differs from the target's token "
                                        r"embeddings: a draft with embeddings of its own is not supported$")
@@ -103,6 +106,33 @@ def test_an_own_head_is_kept_and_other_embeddings_refused(drafts, tiny_target_hf
                                               r"config\.json says the draft has none \(enable_confidence_head\)$")):
         (d / "config.json").write_text(json.dumps({**config, key: value}))
         fails(d, tiny_target_hf, tmp_path, message)
+
+
+def test_a_checkpoints_own_reduced_vocabulary_and_scale(drafts, tiny_target_hf, tiny_target_gguf, tmp_path):
+    """speculators' reduced vocabulary for a DSpark draft (draft_vocab_size, d2t offsets, t2d, its own
+    head and W2 over the d2t's rows, here not in id order) converts to the file --draft-vocab makes for
+    the same tokens; a [1] markov_head.markov_w2.scale is written as markov_w2.scale, a NaN one refused."""
+    full = drafts["speculators"]
+    want = gguf_info(convert(full, tiny_target_gguf, tmp_path / "want.gguf", "f32", draft_vocab=64))
+    ids = torch.from_numpy(want.read(L.D2T)).flip(0)  # the checkpoint's rows: descending ids
+    tensors = load_file(full / "model.safetensors")
+    _, head = fixtures._target_embeddings_and_head(tiny_target_hf)
+    t2d = torch.zeros(head.shape[0], dtype=torch.bool)
+    t2d[ids] = True
+    tensors.update({"d2t": ids - torch.arange(len(ids)), "t2d": t2d, "lm_head.weight": head[ids].clone(),
+                    "markov_head.markov_w2.weight": tensors["markov_head.markov_w2.weight"][ids].clone(),
+                    "markov_head.markov_w2.scale": torch.tensor([0.5])})
+    own = full.parent.parent / "spec_d2t"
+    own.mkdir()
+    config = json.loads((full / "config.json").read_text())
+    (own / "config.json").write_text(json.dumps({**config, "draft_vocab_size": len(ids)}))
+    save_file(tensors, str(own / "model.safetensors"))
+    got = gguf_info(convert(own, tiny_target_gguf, tmp_path / "got.gguf", "f32"))
+    for name in (L.D2T, "output.weight", "markov_w2.weight", "markov_w1.weight"):
+        np.testing.assert_array_equal(got.read(name), want.read(name))
+    assert got.read(L.MARKOV_SCALE).tolist() == [0.5] and got.tensor(L.MARKOV_SCALE).type == "f32"
+    save_file({**tensors, "markov_head.markov_w2.scale": torch.tensor([float("nan")])}, str(own / "model.safetensors"))
+    fails(own, tiny_target_gguf, tmp_path, r"spec_d2t: tensor 'markov_w2\.scale' is nan: expected a finite factor$")
 
 
 def test_what_the_pinned_converter_writes(drafts, tiny_target_hf, tmp_path):

@@ -1,8 +1,9 @@
 """DSpark drafts in the C++ runtime: greedy output equals the target's own token for token (both block
 layouts, with and without the confidence head, on the qwen3, llama and gemma3 tiny targets), the
 traced Markov chain and confidences are the reference's, the confidence threshold cuts the draft
-where the trace says, sampled output follows the target's distribution, and a broken DSpark file is
-refused in one line.
+where the trace says, sampled output follows the target's distribution, a scaled Markov head
+(markov_w2.scale) and a reduced vocabulary (d2t) run as the reference runs them, and a broken DSpark
+file is refused in one line.
 
 The drafts are random tiny DSpark heads in DeepSpec's format (fixtures.tiny_draft_hf, variant
 "dspark"), converted by our converter."""
@@ -10,6 +11,7 @@ The drafts are random tiny DSpark heads in DeepSpec's format (fixtures.tiny_draf
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -47,15 +49,26 @@ PROMPTS = OTHER_PROMPTS
 N_NEW = 20
 
 
-def dspark_gguf(root: Path, target_hf: Path, target_gguf: Path, cfg: fixtures.TinyDraftConfig) -> Path:
+K = 512  # a reduced vocabulary's size (convert --draft-vocab)
+
+
+def dspark_gguf(root: Path, target_hf: Path, target_gguf: Path, cfg: fixtures.TinyDraftConfig,
+                draft_vocab: int = 0) -> Path:
     hf = fixtures.tiny_draft_hf(root / "hf", target_hf, cfg)
-    return convert(hf, target_gguf, root / "draft.gguf", "f32")
+    return convert(hf, target_gguf, root / "draft.gguf", "f32", draft_vocab=draft_vocab)
 
 
 @pytest.fixture(scope="module")
 def drafts(tiny_target_hf, tiny_target_gguf, tmp_path_factory) -> dict[str, Path]:
     return {name: dspark_gguf(tmp_path_factory.mktemp(f"dspark_{name}"), tiny_target_hf, tiny_target_gguf, cfg)
             for name, cfg in DRAFTS.items()}
+
+
+@pytest.fixture(scope="module")
+def reduced(tiny_target_hf, tiny_target_gguf, tmp_path_factory) -> Path:
+    """anchor_first_conf's draft converted with a reduced vocabulary of K tokens (d2t; W2 cut to its rows)."""
+    return dspark_gguf(tmp_path_factory.mktemp("dspark_d2t"), tiny_target_hf, tiny_target_gguf,
+                       DRAFTS["anchor_first_conf"], draft_vocab=K)
 
 
 def runtime(target: Path, draft: Path) -> dflash_llama.Runtime:
@@ -179,6 +192,79 @@ def test_drafts_and_trace_are_the_references(name, drafts, tiny_target_gguf, ref
         assert_same(rt.generate(text, N_NEW, draft_max=None), rt.autoregressive(text, N_NEW), f"{name}: {text!r}")
 
 
+def chain_against_reference(rt, path: Path, reference_target, text: str) -> tuple[dict, list[int]]:
+    """The runtime's traced chain over the first block after `text` and the reference's draft_chain
+    (the draft read from `path`) on the same features: every Markov trace within 1e-5 of its scale, -inf
+    (a reduced vocabulary's logits outside its tokens) at the same places; (the trace, the tokens)."""
+    import torch
+
+    from dflash_llama.reference import load_draft_for_target
+
+    prompt = rt.tokenize(text)
+    feats, block = first_block(rt, prompt)
+    trace, seen = rt.trace_draft(feats, block), {}
+    with torch.inference_mode():
+        chain = load_draft_for_target(path, reference_target).draft_chain(torch.tensor(feats), block, len(prompt),
+                                                                           trace=seen)
+    for key in ("markov_prev", "markov_bias", "biased_logits", "confidence"):
+        ours, theirs = trace[key], seen[key].numpy()
+        finite = np.isfinite(theirs)
+        assert np.array_equal(np.isfinite(ours), finite), key
+        assert np.abs(ours[finite] - theirs[finite]).max() <= 1e-5 * max(np.abs(theirs[finite]).max(), 1.0), key
+    assert trace["markov_prev"].astype(int).tolist()[1:] == chain.tokens.tolist()[:-1]
+    return trace, chain.tokens.tolist()
+
+
+def test_a_scaled_markov_head(drafts, tiny_target_gguf, reference_target, tmp_path):
+    """markov_w2.scale (a GGUF's factor on the bias, 0.5 here): the runtime's traced bias from the anchor
+    is exactly half the unscaled draft's, its chain is the reference's (which reads the factor from the
+    GGUF), and greedy output stays plain decoding's."""
+    plain = drafts["anchor_first_conf"]
+    scaled = rewrite(plain, tmp_path / "scaled.gguf", tensors={S.MARKOV_SCALE: np.array([0.5], np.float32)})
+    text = "def fibonacci(n): return"
+    traces = {}
+    for name, path in (("plain", plain), ("scaled", scaled)):
+        rt = runtime(tiny_target_gguf, path)
+        traces[name], tokens = chain_against_reference(rt, path, reference_target, text)
+    assert np.array_equal(traces["scaled"]["markov_bias"][0], 0.5 * traces["plain"]["markov_bias"][0])
+    assert rt.generate(text, 40, draft_max=None).steps[0].drafted == tokens
+    for text in PROMPTS[:3]:
+        assert_same(rt.generate(text, N_NEW, draft_max=None), rt.autoregressive(text, N_NEW), f"scaled: {text!r}")
+
+
+def test_a_reduced_vocabulary(reduced, drafts, tiny_target_gguf, reference_target):
+    """convert --draft-vocab K on a DSpark draft: d2t, W2 its rows of those tokens; the runtime's chain
+    and traces are the reference's (the whole vocabulary's draft given the d2t too, as the parity
+    harness builds it), every drafted token is one of the d2t's, and greedy output equals plain decoding
+    at every block size, fixed and adaptive."""
+    import torch
+
+    from dflash_llama.reference import load_draft_for_target
+    from dflash_llama.reference.checkpoint import read_draft_gguf
+
+    info = dflash_llama.gguf_info(reduced)
+    d2t = info.read(S.D2T)
+    assert info.tensor("markov_w2.weight").shape == (DRAFTS["anchor_first_conf"].markov_rank, K)
+    np.testing.assert_array_equal(info.read("markov_w2.weight"),
+                                  dflash_llama.gguf_info(drafts["anchor_first_conf"]).read("markov_w2.weight")[d2t])
+    rt = runtime(tiny_target_gguf, reduced)
+    text = "def fibonacci(n): return"
+    trace, tokens = chain_against_reference(rt, reduced, reference_target, text)
+    assert set(tokens) <= set(d2t.tolist()) and rt.generate(text, 40, draft_max=None).steps[0].drafted == tokens
+    whole = load_draft_for_target(drafts["anchor_first_conf"], reference_target)
+    whole.set_vocabulary(*read_draft_gguf(reduced)[2])
+    feats, block = first_block(rt, rt.tokenize(text))
+    with torch.inference_mode():
+        assert whole.draft_chain(torch.tensor(feats), block, len(rt.tokenize(text))).tokens.tolist() == tokens
+    for i, text in enumerate(PROMPTS[:4]):
+        ar = rt.autoregressive(text, N_NEW)
+        for j, block in enumerate(BLOCK_SIZES):
+            draft_max = (None, "auto")[(i + j) % 2]
+            spec = rt.generate(text, N_NEW, block_size=block, draft_max=draft_max, ngram=False)
+            assert_same(spec, ar, f"d2t: {text!r}, block {block}, draft_max {draft_max}")
+            assert {t for s in spec.steps for t in s.drafted} <= set(d2t.tolist())
+
+
 def test_the_confidence_threshold_cuts_the_draft(drafts, tiny_target_gguf):
     """draft_p_min cuts each draft before its first slot whose confidence is below it, as the trace's
     confidences say (p_min between two of them); p_min 1 drafts nothing, so every step is a plain
@@ -270,25 +356,32 @@ def add_dspark_heads(draft_dir: Path, rank: int, scale: float, seed: int) -> Pat
     return draft_dir
 
 
-def test_sampling_is_lossless(tiny_target_gguf, tmp_path):
+@pytest.mark.parametrize("reduced_vocab", [False, True])
+def test_sampling_is_lossless(reduced_vocab, tiny_target_gguf, tmp_path):
     """Temperature 1, top-k 3: the first two tokens of DSpark sampling follow the target's exact joint
     distribution (chi-square goodness of fit over 2000 sequences), as tests/test_runtime_exactness.py
     checks it for DFlash 1. The draft (DFlash's layout) favours the target's likeliest second token
     (fixtures.constant_draft_hf); its Markov head, conditioned on the sampled first token, moves some
     proposals elsewhere (its own top-k sampling alone proposes k tokens); both the accept and the reject
-    path run."""
+    path run. reduced_vocab: the tokens up to that one kept (d2t; q is 0 outside them), every
+    proposal one of them."""
+    import gguf
+
     k = 3
     target, prompt, exact, proposal = sampling_setup(tiny_target_gguf, k)
     hf = fixtures.constant_draft_hf(tmp_path / "d", tiny_target_gguf, proposal,
                                     fixtures.TinyDraftConfig(block_size=4, target_layer_ids=[2]))
     add_dspark_heads(hf, rank=8, scale=0.1, seed=5)
-    rt = dflash_llama.Runtime(tiny_target_gguf, convert(hf, tiny_target_gguf, tmp_path / "d.gguf", "f32"),
-                              n_threads=1, n_ctx=128)
+    kept = gguf.GGUFReader(tiny_target_gguf).get_field("tokenizer.ggml.tokens").contents().index(proposal) + 1
+    draft = convert(hf, tiny_target_gguf, tmp_path / "d.gguf", "f32", draft_vocab=kept if reduced_vocab else 0)
+    rt = dflash_llama.Runtime(tiny_target_gguf, draft, n_threads=1, n_ctx=128)
     assert rt.draft_variant is S.DSPARK and not rt.sample_from_anchor
 
     counts, acceptance, proposed = sample_two_tokens(rt, prompt, k)  # the second token: a verify
     assert 0.05 < acceptance < 0.95, f"acceptance {acceptance:.2f}: both paths must be exercised"
     assert len(proposed) > k, "the Markov head moves some proposals out of the head's own top k"
+    if reduced_vocab:
+        assert proposed <= set(dflash_llama.gguf_info(draft).read(S.D2T).tolist())
     _, dof, p = chi2_goodness_of_fit(counts, exact)
     assert dof == k * k - 1 and p > 1e-3, f"DSpark sampling differs from target sampling (p = {p:.2e})"
     _, _, p_power = chi2_goodness_of_fit(counts, exact_two_token_distribution(target, prompt, k, 0.5))
@@ -310,9 +403,12 @@ def loader_case(case: str, draft: Path, dst: Path) -> tuple[Path, str]:
     if case == "layout as a number":
         return (rewrite(draft, dst, kv={S.SAMPLE_FROM_ANCHOR: (1, V.UINT32)}),
                 f"{S.SAMPLE_FROM_ANCHOR}: u32 1, expected a bool")
-    if case == "a scaled Markov head":
-        return (rewrite(draft, dst, tensors={"markov_w2.scale": np.ones(1, np.float32)}),
-                "tensor 'markov_w2.scale': a scaled Markov head (markov_w2.scale) is not supported")
+    if case == "a Markov scale of nan":
+        return (rewrite(draft, dst, tensors={S.MARKOV_SCALE: np.array([np.nan], np.float32)}),
+                f"tensor '{S.MARKOV_SCALE}' is nan: expected a finite factor")
+    if case == "a Markov scale of two values":
+        return (rewrite(draft, dst, tensors={S.MARKOV_SCALE: np.ones(2, np.float32)}),
+                f"tensor '{S.MARKOV_SCALE}' has shape [2]: expected [1] (one factor)")
     if case == "a DeepSeek-V4 backbone":
         return (rewrite(draft, dst, kv={S.HYPER_CONNECTION_COUNT: (4, V.UINT32)}),
                 f"'{S.HYPER_CONNECTION_COUNT}': DSpark drafts on a DeepSeek-V4 backbone are not supported")
@@ -327,13 +423,13 @@ def loader_case(case: str, draft: Path, dst: Path) -> tuple[Path, str]:
 
 
 LOADER_CASES = ["W2 of another rank", "confidence bias missing", "confidence head the key denies",
-                "layout as a number", "a scaled Markov head", "a DeepSeek-V4 backbone",
+                "layout as a number", "a Markov scale of nan", "a Markov scale of two values", "a DeepSeek-V4 backbone",
                 "a confidence head without the Markov head", "a Markov head of another vocabulary"]
 
 
 def test_a_broken_dspark_draft_is_one_line(drafts, tiny_target_gguf, tmp_path):
     """Each case: Runtime raises ValueError('<file>: <message>') and llama-dflash-cli prints that one
-    line; the schema refuses what it reads in the same words."""
+    line; the schema refuses what it reads (and the reference what it loads) in the same words."""
     from gguf import GGUFReader
 
     full = drafts["anchor_first_conf"]
@@ -343,7 +439,13 @@ def test_a_broken_dspark_draft_is_one_line(drafts, tiny_target_gguf, tmp_path):
     for i, case in enumerate(LOADER_CASES):
         bad, message = loader_case(case, draft, tmp_path / f"bad{i}.gguf")
         refused(f"{bad}: {message}", tiny_target_gguf, bad)
-        if case in ("a scaled Markov head", "a confidence head without the Markov head"):
+        if case == "a confidence head without the Markov head":
             reader = GGUFReader(str(bad))
             kv = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
             assert message in S.refusals(kv, [t.name for t in reader.tensors])
+        if case.startswith("a Markov scale"):  # the reference reads the file with its tokenizer
+            from dflash_llama.reference import load_draft
+
+            bad, message = loader_case(case, full, tmp_path / f"full{i}.gguf")
+            with pytest.raises(ValueError, match=f"^{re.escape(f'{bad}: {message}')}$"):
+                load_draft(bad)

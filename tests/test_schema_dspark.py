@@ -1,9 +1,11 @@
 """DSpark in the one draft schema: its variant and heads, the block layout per draft, its keys and
-tensors, the three checkpoint formats read alike, what stays refused (one line each)."""
+tensors (a reduced vocabulary's W2 over its rows, the optional markov_w2.scale), the three checkpoint
+formats read alike, what stays refused (one line each)."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -74,17 +76,27 @@ def test_gguf_keys_say_the_heads_and_the_layout():
     # missing sample_from_anchor: true for DSpark, as llama.cpp reads it
     del kv[S.SAMPLE_FROM_ANCHOR]
     assert S.DraftHParams.from_gguf(kv, tensors=tensors, runtime=False).sample_from_anchor is True
-    # the runtime runs them too; a reduced vocabulary it refuses, as the reference does
+    # the runtime runs them too, with a reduced vocabulary (W2 over its rows) and a factor on the bias
     assert S.refusals(kv, tensors) == []
-    assert S.refusals(kv, {**tensors, "d2t": (300,), "output.weight": (64, 300)}, runtime=False) == [
-        "tensor 'd2t': a reduced vocabulary for a DSpark draft is not supported yet"]
+    reduced = {**tensors, "markov_w2.weight": (8, 100), "d2t": (100,), "output.weight": (64, 100), S.MARKOV_SCALE: (1,)}
+    assert S.refusals(kv, reduced) == [] and S.DraftHParams.from_gguf(kv, tensors=reduced).markov_rank == 8
+    assert S.expected_shape(S.hf_tensor_name("markov_w2.weight")[1], back.dims(n_vocab_draft=100)) == (8, 100)
+    assert S.hf_tensor_name(S.MARKOV_SCALE)[0] == "markov_head.markov_w2.scale"
+    with pytest.raises(ValueError, match=r"^draft\.gguf: tensor 'markov_w2\.scale' has shape \[2\]: expected \[1\] "
+                                         r"\(one factor\)$"):
+        S.DraftHParams.from_gguf(kv, tensors={**tensors, S.MARKOV_SCALE: (2,)})
+    assert S.markov_scale([0.5]) == 0.5
+    for bad, message in (([float("nan")], "is nan: expected a finite factor"),
+                         ([1.0, 2.0], "has 2 values: expected [1] (one factor)")):
+        with pytest.raises(ValueError, match=f"^tensor 'markov_w2.scale' {re.escape(message)}$"):
+            S.markov_scale(bad)
     with pytest.raises(ValueError, match=r"^draft\.gguf: 'dflash\.has_confidence_head' = True but the draft has no "
                                          r"conf_proj\.weight$"):
         S.DraftHParams.from_gguf(kv, tensors={k: v for k, v in tensors.items() if "conf" not in k}, runtime=False)
     assert S.refusals({}, ["conf_proj.weight"], runtime=False) == [
         "tensor 'conf_proj.weight': a DSpark tensor in a DFlash 1 draft (no markov_w1.weight)"]
-    assert S.refusals({}, ["markov_w1.weight", "markov_w2.scale"], runtime=False) == [
-        "tensor 'markov_w2.scale': a scaled Markov head (markov_w2.scale) is not supported"]
+    assert S.refusals({}, [S.MARKOV_SCALE], runtime=False) == [
+        "tensor 'markov_w2.scale': a DSpark tensor in a DFlash 1 draft (no markov_w1.weight)"]
 
 
 @pytest.mark.parametrize("config, message", [

@@ -195,6 +195,7 @@ def _conv(gguf: str, hf: str, where: str) -> tuple[TensorSpec, TensorSpec]:
                    f"dynamic taps of the convolutions {where}, from the sublayer's normed input", CONV))
 
 
+MARKOV_SCALE = "markov_w2.scale"  # DSpark: an optional factor on the Markov bias
 TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("fc.weight", "fc.weight", ("n_taps*n_embd", "n_embd"), True,
                "projects the concatenated target features to n_embd"),
@@ -232,6 +233,11 @@ TENSORS: tuple[TensorSpec, ...] = (
                "Markov head W1: the row of the token before the slot (an embedding, target vocabulary)", MARKOV),
     TensorSpec("markov_w2.weight", "markov_head.markov_w2.weight", ("markov_rank", "n_vocab_draft"), True,
                "Markov head W2: that row to a bias on the slot's logits (draft vocabulary)", MARKOV),
+    # optional: one factor on the bias (llama.cpp's per-tensor `_s` scale, bias = scale * W2 @ W1[prev]).
+    # No published checkpoint format stores it (a GGUF's, as quantizing tools write them); the converter
+    # passes a [1] one through under this name
+    TensorSpec(MARKOV_SCALE, "markov_head.markov_w2.scale", ("1",), False,
+               "Markov head: a factor on W2's bias (optional, one finite f32)", MARKOV),
     TensorSpec("conf_proj.weight", "confidence_head.proj.weight", ("n_embd+markov_rank", "1"), True,
                "confidence head: [post-norm hidden state ; W1 row] to the slot's acceptance logit", CONFIDENCE),
     TensorSpec("conf_proj.bias", "confidence_head.proj.bias", ("1",), True, "confidence head bias", CONFIDENCE),
@@ -287,7 +293,6 @@ REFUSALS: tuple[Refusal, ...] = (
     # ignored. An own head with a d2t is a reduced vocabulary, which both read (see `refusals`).
     Refusal("token_embd.weight", _OWN, tensor=True),
     Refusal("output.weight", _OWN + " (an own head needs a d2t: a reduced vocabulary)", tensor=True, pending=True),
-    Refusal("markov_w2.scale", "a scaled Markov head (markov_w2.scale) is not supported", tensor=True),
     Refusal("fc.scale", "a scaled fc is not supported", tensor=True),
     Refusal("rope_freqs.weight", "RoPE frequency factors are not supported", tensor=True),
     *(Refusal(t, "extra per-layer tensors (Gemma-style norms, output scales, sinks) are not supported", tensor=True)
@@ -342,8 +347,6 @@ def _variant_refusals(kv: dict[str, Any], tensor_names=()) -> list[str]:
            for k in variant.keys if k not in kv]
     if variant is DFLASH2 and DSPARK.marker in tensor_names:
         out.append(f"tensor '{DSPARK.marker}': a DSpark head on a DFlash 2 draft is not supported")
-    if variant is DSPARK and D2T in tensor_names:
-        out.append(f"tensor '{D2T}': a reduced vocabulary for a DSpark draft is not supported yet")
     for k in variant.keys:
         v = kv.get(k)
         if k in kv and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 < v <= INT32_MAX):
@@ -555,14 +558,15 @@ class DraftHParams:
     def layer_window(self, il: int) -> int | None:
         return self.sliding_window if self.swa_layers[il] else None
 
-    def dims(self, n_vocab: int | None = None) -> dict[str, int]:
-        """The symbols of `expected_shape` (n_vocab_draft: the whole vocabulary; a reduced one sets it)."""
+    def dims(self, n_vocab: int | None = None, n_vocab_draft: int | None = None) -> dict[str, int]:
+        """The symbols of `expected_shape` (n_vocab_draft: a reduced vocabulary's size, else the whole
+        vocabulary's: the rows of a DSpark draft's markov_w2)."""
         return {"n_embd": self.n_embd, "n_taps": self.n_taps, "n_head": self.n_head,
                 "n_head_kv": self.n_head_kv, "head_dim": self.head_dim, "n_ff": self.n_ff,
                 "n_vocab": n_vocab or self.n_vocab or 0, "conv_k": self.conv_kernel_size,
                 "conv_groups": self.n_embd // self.conv_group_size if self.conv_group_size else 0,
                 "selector_rank": self.selector_rank, "markov_rank": self.markov_rank,
-                "n_vocab_draft": n_vocab or self.n_vocab or 0}
+                "n_vocab_draft": n_vocab_draft or n_vocab or self.n_vocab or 0}
 
     # --- config.json ------------------------------------------------------------------------------
 
@@ -721,6 +725,9 @@ def _gguf_dspark_fields(kv: dict[str, Any], tensors: dict[str, tuple]) -> dict[s
     rank = int(w1[0]) if w1 is not None and len(w1) == 2 else 0
     if w1 is not None and not 0 < rank <= INT32_MAX:
         raise ValueError(f"tensor '{DSPARK.marker}' has shape {list(w1)}: expected [markov_rank, n_vocab]")
+    scale = tensors.get(MARKOV_SCALE)
+    if rank and scale is not None and not all(d == 1 for d in scale):
+        raise ValueError(f"tensor '{MARKOV_SCALE}' has shape {list(scale)}: expected [1] (one factor)")
     has_conf = "conf_proj.weight" in tensors
     if rank and HAS_CONFIDENCE_HEAD in kv and bool(kv[HAS_CONFIDENCE_HEAD]) != has_conf:
         raise ValueError(f"'{HAS_CONFIDENCE_HEAD}' = {bool(kv[HAS_CONFIDENCE_HEAD])} but the draft "
@@ -730,6 +737,17 @@ def _gguf_dspark_fields(kv: dict[str, Any], tensors: dict[str, tuple]) -> dict[s
             raise ValueError(f"'{key}' = {_show(kv[key])}: expected a bool")
     anchor_first = bool(kv.get(SAMPLE_FROM_ANCHOR, (DSPARK if rank else DFLASH1).anchor_first))
     return dict(markov_rank=rank, has_confidence_head=bool(rank) and has_conf, sample_from_anchor=anchor_first)
+
+
+def markov_scale(values) -> float:
+    """A DSpark draft's `markov_w2.scale` (its values, as read): the one finite factor on the Markov
+    bias; ValueError in the words the runtime's loader uses."""
+    flat = np.asarray(values, dtype=np.float64).reshape(-1)
+    if flat.size != 1:
+        raise ValueError(f"tensor '{MARKOV_SCALE}' has {flat.size} values: expected [1] (one factor)")
+    if not math.isfinite(flat[0]):
+        raise ValueError(f"tensor '{MARKOV_SCALE}' is {float(flat[0])}: expected a finite factor")
+    return float(flat[0])
 
 
 # --- reading config.json (errors say what is wrong; from_hf_config names the file) ----------------
