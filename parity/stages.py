@@ -134,8 +134,11 @@ def stage_converter(cfg: ParityConfig) -> dict:
 
     from dflash_llama.reference.checkpoint import load_draft, read_draft_gguf
 
-    _, gguf_tensors, _ = read_draft_gguf(Path(cfg.draft))
-    hf = {n: p.detach().float().numpy() for n, p in load_draft(cfg.draft_hf).named_parameters()}
+    _, gguf_tensors, vocabulary = read_draft_gguf(Path(cfg.draft))
+    hf_draft = load_draft(cfg.draft_hf)
+    if vocabulary is not None:  # made at conversion: the HF weights over the GGUF's d2t (a DSpark draft's W2 rows)
+        hf_draft.set_vocabulary(*vocabulary)
+    hf = {n: p.detach().float().numpy() for n, p in hf_draft.named_parameters()}
     types = tensor_types(Path(cfg.draft))
     rows = []
     for hf_name, got in gguf_tensors.items():
@@ -616,7 +619,8 @@ def stage_graph(cfg: ParityConfig, inputs_: list[dict], ref_draft, draft_cat: st
     if native and L.MARKOV in ref_draft.config.heads:
         notes.append("llama.cpp's graph names none of DSpark's intermediates: its biased_logits are the logits "
                      "and its confidences the nextn rows (first column) of the drafted slots, as draft-dspark reads "
-                     "them; its markov_bias is the graph's product with markov_w2.weight and its markov_prev the "
+                     "them; its markov_bias is the graph's product with markov_w2.weight (times markov_w2.scale, "
+                     "scattered through d2t, where the draft has them) and its markov_prev the "
                      "row its get_rows reads from markov_w1.weight, read as the graph computes them; markov_prev "
                      "(token ids) must be equal")
     if native and chain:

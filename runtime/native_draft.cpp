@@ -90,18 +90,36 @@ traced_tensor read_tensor(const ggml_tensor * t) {
 const char * const kLattice = "dflash2_lattice";
 
 // DSpark's Markov head in llama.cpp's graph names none of its tensors: a slot's bias is the product
-// with markov_w2 and the token it conditions on the row index of its get_rows from markov_w1
+// with markov_w2 (then times markov_w2.scale when the draft has one, then scattered through d2t into
+// the target's vocabulary when it has a reduced one: the last of these nodes), and the token it
+// conditions on the row index of its get_rows from markov_w1
 enum class markov_node { none, bias, prev };
 
-markov_node markov_node_of(const ggml_tensor * t) {
-    const ggml_tensor * w = t->src[0];
-    if (w == nullptr) {
+bool named(const ggml_tensor * t, const char * name) {
+    return t != nullptr && std::strcmp(ggml_get_name(t), name) == 0;
+}
+
+// the bias over the draft's rows: W2's product, or that times the scale (`scaled`)
+bool markov_rows_bias(const ggml_tensor * t, bool scaled) {
+    if (scaled) {
+        return t != nullptr && t->op == GGML_OP_MUL && named(t->src[1], "markov_w2.scale") &&
+               markov_rows_bias(t->src[0], false);
+    }
+    return t != nullptr && t->op == GGML_OP_MUL_MAT && named(t->src[0], "markov_w2.weight");
+}
+
+markov_node markov_node_of(const ggml_tensor * t, bool scaled, bool reduced) {
+    if (t->src[0] == nullptr) {
         return markov_node::none;
     }
-    if (t->op == GGML_OP_MUL_MAT && std::strcmp(ggml_get_name(w), "markov_w2.weight") == 0) {
+    // (ggml_set_rows keeps its rows in src[0], its indices in src[1] and the destination in src[2])
+    const bool bias = reduced ? t->op == GGML_OP_SET_ROWS && t->src[0]->op == GGML_OP_RESHAPE &&
+                                    markov_rows_bias(t->src[0]->src[0], scaled)
+                              : markov_rows_bias(t, scaled);
+    if (bias) {
         return markov_node::bias;
     }
-    if (t->op == GGML_OP_GET_ROWS && std::strcmp(ggml_get_name(w), "markov_w1.weight") == 0) {
+    if (t->op == GGML_OP_GET_ROWS && named(t->src[0], "markov_w1.weight")) {
         return markov_node::prev;
     }
     return markov_node::none;
@@ -165,6 +183,8 @@ native_draft::native_draft(const native_draft_params & params, target_runner & t
         }
         dspark_         = gguf_find_tensor(g, "markov_w1.weight") >= 0;
         has_confidence_ = gguf_find_tensor(g, "conf_proj.weight") >= 0;
+        markov_scaled_  = gguf_find_tensor(g, "markov_w2.scale") >= 0;
+        reduced_vocab_  = gguf_find_tensor(g, "d2t") >= 0;
         gguf_free(g);
     }
     if (llama_model_meta_val_str(model_, "dflash.sample_from_anchor", buf, sizeof(buf)) >= 0) {
@@ -277,7 +297,7 @@ bool native_draft::on_eval(ggml_tensor * t, bool ask, void * user_data) {
         return ask ? false : true;
     }
     if (self->dspark_ && !self->encoding_) {
-        const markov_node kind = markov_node_of(t);
+        const markov_node kind = markov_node_of(t, self->markov_scaled_, self->reduced_vocab_);
         if (kind != markov_node::none) {
             if (ask) {
                 return true;

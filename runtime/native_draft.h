@@ -15,9 +15,10 @@
 //      missing or "true", else from slot 1) through llama_get_logits as `biased_logits`, each
 //      slot's confidence as the first column of its nextn row as `confidence` (with `conf_proj`).
 //      The Markov head's own tensors are not named in llama.cpp's graph: each slot's bias is the
-//      graph's product with `markov_w2.weight` (`markov_bias`) and the token it conditions on the
-//      row index of its get_rows from `markov_w1.weight` (`markov_prev`), both read in the eval
-//      callback as the graph computes them.
+//      graph's product with `markov_w2.weight` (`markov_bias`; times `markov_w2.scale`, scattered
+//      through `d2t` when the draft has them: the graph's last such node) and the token it conditions
+//      on the row index of its get_rows from `markov_w1.weight` (`markov_prev`), both read in the
+//      eval callback as the graph computes them.
 //
 // Every tensor of the shared vocabulary is read through the context's eval callback. The decoder
 // graph has no `fc_out` (it names only the normed `inp_g_embeddings`); `fc_out` is read from one
@@ -78,6 +79,7 @@ private:
     bool                 causal_        = false;
     int32_t              selector_top_k_ = 0;
     bool                 dspark_ = false, has_confidence_ = false, sample_from_anchor_ = true;
+    bool                 markov_scaled_ = false, reduced_vocab_ = false;  // markov_w2.scale, d2t: the bias's last node
     int32_t              n_ctx_ = 0, n_ubatch_ = 0, n_embd_in_ = 0;
 
     draft_trace *        recording_ = nullptr;  // where on_eval stores tensors; null: record nothing

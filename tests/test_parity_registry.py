@@ -33,7 +33,7 @@ def test_the_shipped_registry_loads():
     assert sorted(p.draft_cfg["selector_top_k"] for p in dflash2) == [2, 3, 4, 6, 7]
     # DSpark pairs on three families, each with the four layouts: anchor-first with and without the
     # confidence head, DFlash's layout, and DeepSpec's anchor-first "DFlash" (no Markov head); a reduced
-    # vocabulary on qwen3 (skipped: not supported yet); f32 copies of the target's embeddings and head
+    # vocabulary on qwen3; f32 copies of the target's embeddings and head
     def layout(c):
         return ("no-markov" if c["markov_rank"] == 0 else "dflash-layout" if c.get("sample_from_anchor") is False
                 else "anchor-first" + ("" if c.get("confidence_head", True) else ", no confidence"))
@@ -54,10 +54,8 @@ def test_the_shipped_registry_loads():
     assert {p.finding.split(":")[0] for p in unpatched} == {"U14"} and "U14" in patched.UNPATCHED
     assert {p.expected(series) for p in pairs if p.kind == "fixture" and p not in unpatched} == {"pass"}
     assert {p.expected(series) for p in unpatched} == {p.expected() for p in fails} == {"fail"}
-    # every pair runs but the reduced-vocabulary DSpark one, which says why
-    assert {p.name: p.skip.split(":")[0] for p in pairs if p.skip} == {
-        "tiny-dspark-d2t": "a reduced vocabulary (d2t) for a DSpark draft is refused by our converter, reference "
-                           "and runtime loader"}
+    # every pair runs
+    assert [p.name for p in pairs if p.skip] == []
     assert [p.outtype for p in pairs if p.kind == "default"] == ["f32", "f16", "q8_0"]
     assert defaults == {"draft_dir": "smollm2-135m-dflash"}
     assert (registry.default_draft_dir(defaults) / "config.json").is_file()  # the trained default draft ships

@@ -265,6 +265,23 @@ def test_a_reduced_vocabulary(reduced, drafts, tiny_target_gguf, reference_targe
             assert {t for s in spec.steps for t in s.drafted} <= set(d2t.tolist())
 
 
+def test_llama_cpps_graph_scales_and_scatters_the_bias_alike(reduced, tiny_target_gguf, tmp_path):
+    """The reduced-vocabulary draft with a markov_w2.scale of 0.5, run by llama.cpp's own graph (the parity
+    harness's peer, which reads its bias as the graph's last node: scaled, then scattered through d2t with
+    0 elsewhere): the same chain, biases and biased logits as the runtime's."""
+    from dflash_llama.parity.graph import rel_err
+    from dflash_llama.parity.native import NativeDraft
+
+    draft = rewrite(reduced, tmp_path / "scaled.gguf", tensors={S.MARKOV_SCALE: np.array([0.5], np.float32)})
+    rt = dflash_llama.Runtime(tiny_target_gguf, draft, n_threads=2, n_ctx=256, kv_f32=True)
+    tokens = rt.tokenize(PROMPTS[0])
+    feats, block = rt.capture(tokens[:-1]), [tokens[-1]] + [rt.mask_token_id] * (rt.block_size - 1)
+    ours, native = rt.trace_draft(feats, block), NativeDraft(rt, draft, n_ctx=256, n_threads=2).trace(feats, block)
+    assert np.asarray(native["markov_prev"]).tolist() == ours["markov_prev"].tolist()
+    for key in ("markov_bias", "biased_logits"):
+        assert rel_err(ours[key], np.asarray(native[key]).reshape(ours[key].shape)) < 1e-5, key
+
+
 def test_the_confidence_threshold_cuts_the_draft(drafts, tiny_target_gguf):
     """draft_p_min cuts each draft before its first slot whose confidence is below it, as the trace's
     confidences say (p_min between two of them); p_min 1 drafts nothing, so every step is a plain
