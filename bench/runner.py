@@ -659,6 +659,8 @@ def ratios(rows: list[dict], methods: list[Method], block_size: int) -> list[dic
         if best is not None:
             out.append(pair("runtime-auto", best.key, f"our default loop / the fastest llama.cpp mode"
                                                       f"{' of the stock build' if stock else ''} ({best.label})"))
+    out.append(pair("runtime-auto", "runtime-auto-no-confidence",
+                    "our default loop / the same without its confidence gate"))
     out.append(pair("stock-spec-ar", "llama-spec-ar", "stock build / built like ours, no drafts"))
     out.append(pair("runtime-ar", "llama-completion", "our autoregressive / llama-completion"))
     return [r for r in out if r is not None]

@@ -305,3 +305,6 @@ def test_a_dspark_draft_is_benched_with_and_without_its_confidence_gate(tiny_tar
     assert all(r["exact"] is True for r in res["rows"]), [k for k, r in rows.items() if r["exact"] is not True]
     assert rows["runtime-auto-no-confidence"]["policy"]["confidence_steps"] == 0
     assert "adaptive, no confidence gate" in (out / "bench.md").read_text()
+    gate = next(r for r in res["ratios"] if r["what"] == "our default loop / the same without its confidence gate")
+    speed = lambda k: rows[k]["tokens_per_second"]  # noqa: E731 (one prompt: over all tokens = per prompt)
+    assert gate["ratio"] == pytest.approx(speed("runtime-auto") / speed("runtime-auto-no-confidence"))
