@@ -87,6 +87,14 @@ class Pair:
         draft = convert(draft_hf, self.target, self.root / "draft2-f32.gguf", outtype="f32")
         return dflash_llama.Runtime(self.target, draft, n_threads=1, n_ctx=512, n_batch=64)
 
+    def dspark(self) -> dflash_llama.Runtime:
+        """A runtime with a random DSpark draft (anchor-first, Markov rank 16, a confidence head; block 16)."""
+        draft_hf = fixtures.tiny_draft_hf(self.root / "dspark-hf", self.hf, fixtures.TinyDraftConfig(
+            variant="dspark", dtype="float32", layers=2, target_layer_ids=[1, 2], block_size=16, markov_rank=16,
+            seed=43))
+        draft = convert(draft_hf, self.target, self.root / "dspark-f32.gguf", outtype="f32")
+        return dflash_llama.Runtime(self.target, draft, n_threads=1, n_ctx=512, n_batch=64)
+
     def accepting(self) -> tuple[dflash_llama.Runtime, str]:
         """A runtime whose draft always proposes the token the target repeats most often after one
         of OTHER_PROMPTS (fixtures.constant_draft_hf), and that prompt: drafts are accepted, in part."""
@@ -179,6 +187,24 @@ def test_greedy_dflash2_equals_plain_decoding(pair):
             assert all(len(s.drafted) <= block - 1 for s in spec.steps)
             if draft_max is None:
                 assert len(spec.steps[0].drafted) == block - 1
+
+
+def test_greedy_dspark_equals_plain_decoding(pair):
+    """The same 30 prompts x block sizes 2, 4, 8, 16 through an anchor-first DSpark draft with a confidence
+    head, in turn the whole block verified (B drafted tokens), the adaptive loop with its confidence gate,
+    and the whole block cut by a confidence threshold: each generation equals plain greedy decoding token
+    for token."""
+    rt = pair.dspark()
+    assert rt.draft_variant.name == "dspark" and rt.sample_from_anchor and rt.has_confidence_head
+    for i, prompt in enumerate(PROMPTS):
+        draft_max, p_min = ((None, 0.0), ("auto", 0.0), (None, 0.5))[i % 3]
+        for block in BLOCK_SIZES:
+            spec = rt.generate(prompt, N_NEW, block_size=block, draft_max=draft_max, draft_p_min=p_min)
+            assert_same(spec, pair.plain(prompt), f"{pair.family}: DSpark, prompt {i}, block {block}, "
+                                                  f"draft_max {draft_max}, p_min {p_min}")
+            assert all(len(s.drafted) <= block for s in spec.steps)
+            if draft_max is None and p_min == 0.0:  # B drafted, or as many as the N_NEW tokens leave room for
+                assert len(spec.steps[0].drafted) == min(block, N_NEW - 1)
 
 
 def test_accepted_drafts_keep_the_output_exact(pair):
