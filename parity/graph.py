@@ -70,6 +70,7 @@ FIRST_READER = {
     # DSpark
     "markov_w1.weight": "markov_bias",
     "markov_w2.weight": "markov_bias",
+    "markov_w2.scale": "markov_bias",
     "conf_proj.weight": "confidence",
     "conf_proj.bias": "confidence",
 }
