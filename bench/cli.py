@@ -92,6 +92,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts (outside the benchmark set when possible) for the cost model (default 3)")
     p.add_argument("--calibration-tokens", type=int, default=32,
                    help="tokens per step-cost measurement of the cost model (default 32)")
+    p.add_argument("--thread-study", action="store_true",
+                   help="also run our default loop and llama-completion at their default thread count (no -t) "
+                        "and at 1, 2 and all CPUs, quiet and with --busy-cores kept busy (bench/thread_study.py)")
+    p.add_argument("--busy-cores", type=int, default=1,
+                   help="with --thread-study: cores kept busy by spinning processes in its second half (default 1; "
+                        "0: quiet only)")
+    p.add_argument("--thread-prompts", type=int, default=4,
+                   help="with --thread-study: benchmark prompts it runs (default 4)")
 
 
 def _ngram_types() -> tuple[str, ...]:
@@ -132,6 +140,9 @@ def command_line(args: argparse.Namespace, target: str, draft_arg: str | None, o
         parts += ["--ngram-types", args.ngram_types, "--native" if args.native else "--no-native"]
         if args.stock_build:
             parts += ["--stock-build"]
+        if args.thread_study:
+            parts += ["--thread-study", "--busy-cores", str(args.busy_cores),
+                      "--thread-prompts", str(args.thread_prompts)]
         if args.patched:
             parts += ["--patched"]
     parts += ["--pilot-prompts", str(args.pilot_prompts), "--calibration-tokens", str(args.calibration_tokens)]
@@ -159,9 +170,13 @@ def _check(args: argparse.Namespace) -> list[str]:
     for name, value, low in (("-n", args.n_predict, 2), ("--threads", args.threads, 1),
                              ("--ctx-size", args.ctx_size, 64), ("--pilot-prompts", args.pilot_prompts, 1),
                              ("--calibration-tokens", args.calibration_tokens, 4), ("--limit", args.limit, 0),
-                             ("--server-prompts", args.server_prompts, 1), ("--budget-min", args.budget_min, 0)):
+                             ("--server-prompts", args.server_prompts, 1), ("--budget-min", args.budget_min, 0),
+                             ("--busy-cores", args.busy_cores, 0), ("--thread-prompts", args.thread_prompts, 1)):
         if value < low:
             raise ValueError(f"{name} must be at least {low}, got {value}")
+    if args.thread_study and not args.full_bench:
+        raise ValueError("--thread-study runs on the benchmark's prompts after its main loop: not with "
+                         "--target-types alone (add --native)")
     if args.stock_build and not args.native:
         raise ValueError("--stock-build runs llama.cpp's native DFlash: it needs --native "
                          "(off with --target-types unless asked)")
@@ -205,6 +220,7 @@ def run(args: argparse.Namespace) -> tuple[dict, Path]:
                         server=args.server, patched_server=args.patched,
                         server_concurrency=args.server_concurrency, server_prompts=args.server_prompts,
                         calibration_tokens=args.calibration_tokens, n_gpu_layers=args.n_gpu_layers,
+                        thread_study=args.thread_study, busy_cores=args.busy_cores, thread_prompts=args.thread_prompts,
                         deadline=started + 60.0 * args.budget_min if args.budget_min > 0 else None)
 
     bar = tqdm(total=0, unit="run", desc="bench", dynamic_ncols=True, file=sys.stderr)

@@ -117,6 +117,35 @@ def target_types_section(sweep: dict) -> list[str]:
     return L
 
 
+def threads_section(study: dict) -> list[str]:
+    """The thread study (bench/thread_study.py): each tool at its default and every fixed -t, per condition."""
+    counts = study["thread_counts"]
+    L = ["## Threads: each tool at its default and at every fixed -t\n",
+         f"Our default loop (`--draft-max auto`, no -t: a new Runtime that measures its thread count before its "
+         f"first generation) and llama-completion (no -t: llama.cpp's default), against both at "
+         f"-t {', '.join(map(str, counts))}, on {len(study['prompts'])} prompts ({', '.join(study['prompts'])}), "
+         f"-n {study['n_predict']}, quiet and with cores kept busy by spinning processes. tok/s over all tokens; "
+         f"threads used: what the tool decoded with (ours: its measurement, llama.cpp: its log); exact: equal to "
+         f"the main loop's reference for the prompt (our plain decoding's tokens, llama-completion's text).\n",
+         "| busy cores | method | threads used | tok/s | exact |", "|---:|---|---|---:|---|"]
+    for c in study["conditions"]:
+        for it in c["arms"].values():
+            L.append(f"| {c['busy_cores']} | {it['label']} | {', '.join(map(str, it['threads_used'])) or '–'} | "
+                     f"{_f(it['tokens_per_second'])} | {it['exact']}/{it['prompts']} |")
+    L += ["", "| busy cores | tool | default / its best fixed -t | median per prompt | best fixed |",
+          "|---:|---|---:|---:|---|"]
+    for c in study["conditions"]:
+        for tool, t in c["tools"].items():
+            L.append(f"| {c['busy_cores']} | {tool} | {_f(t['default_vs_best_fixed'], 3)} | "
+                     f"{_f(t['median_prompt_default_vs_best_fixed'], 3)} | {c['arms'][t['best_fixed']]['label']} |")
+    chose = [(c["busy_cores"], next((r["threads"] for r in c["rows"] if r["arm"] == "ours-default"), None))
+             for c in study["conditions"]]
+    if any(line for _, line in chose):
+        L += ["", "What our default chose (a plain decode step at each count, measured before its first "
+                  "generation): " + "; ".join(f"{b} busy: `{line}`" for b, line in chose if line) + "."]
+    return L + [""]
+
+
 def _render_target_types_only(res: dict, command: str, plots: list[str]) -> str:
     s, meta, sweep = res["settings"], res["meta"], res["target_types"]
     L = [f"# Benchmark: target weight types, {Path(s['target']).name} + {Path(s['draft']).name}\n",
@@ -294,6 +323,9 @@ def render(res: dict, command: str, plots: list[str]) -> str:
                 f"{lat['max']:.2f} | {_f(100 * acc if acc is not None else None, 1, '%')} | "
                 f"{lv['exact']}/{lv['requests']} |")
         add("")
+
+    if res.get("threads"):
+        L += threads_section(res["threads"])
 
     if res.get("target_types"):
         L += target_types_section(res["target_types"])

@@ -121,6 +121,9 @@ class Settings:
     patched_server: bool = False  # the serving phase's llama-server from the pinned tree + patches/series
     calibration_tokens: int = 32
     n_gpu_layers: int = 0  # target layers on the GPU, ours and the peers' alike (-1: all)
+    thread_study: bool = False  # bench/thread_study.py: each tool at its default -t and every fixed one
+    busy_cores: int = 1  # ... quiet and with this many cores kept busy by other processes
+    thread_prompts: int = 4  # ... on this many of the benchmark prompts
     deadline: float | None = None  # time.monotonic() by which the run must be done (None: no budget)
 
 
@@ -250,6 +253,7 @@ class Bench:
         if too_long:
             raise ValueError(f"prompt {too_long[0][0]} has {too_long[0][1]} tokens: with -n {s.n_predict} it does "
                              f"not fit the context of {s.n_ctx} tokens (raise --ctx-size)")
+        self.ref_tokens: dict[str, list[int]] = {}  # our plain decoding's tokens per prompt (main loop)
         self._stock_exe: Path | None = None
         self._patched = None  # patchbuild.Build of llama-server, once made
 
@@ -280,7 +284,26 @@ class Bench:
             "main": n_methods * len(self.s.prompts),
             "server": min(self.s.server_prompts, len(self.s.prompts)) * len(self.s.server_concurrency)
             if self.s.server else 0,
+            "threads": self.thread_study(self.s.prompts, {}).count_runs() if self.s.thread_study else 0,
         }
+
+    def thread_study(self, done: list[Prompt], ref_texts: dict[str, tuple[str, bool]]):
+        """The thread study on `thread_prompts` of the prompts the main loop finished."""
+        from dflash_llama.prompts import spread
+
+        from .thread_study import ThreadStudy
+
+        return ThreadStudy(self.s, spread(done, self.s.thread_prompts), self.tokens, self.ref_tokens, ref_texts,
+                           self.s.busy_cores, self.progress)
+
+    def thread_study_estimate_s(self, rows: list[dict]) -> float:
+        """Expected length of the thread study: its runs at what our default loop and llama-completion
+        cost per prompt in the main loop."""
+        if not self.s.thread_study or not rows:
+            return 0.0
+        per = [((r["prefill_ms"] or 0) + r["decode_ms"]) / 1000.0 for r in rows
+               if r["method"] in ("runtime-auto", "llama-completion")]
+        return self.thread_study(self.s.prompts, {}).estimate_s(statistics.mean(per) + 0.3) if per else 0.0
 
     # -- phases -------------------------------------------------------------------------------
     def warmup(self) -> None:
@@ -364,6 +387,7 @@ class Bench:
             for m in methods[shift:] + methods[:shift]:
                 results[m.key] = self.run_method(m, p)
                 self.progress(1, f"{p.id} {m.key}")
+            self.ref_tokens[p.id] = results["runtime-ar"]["_tokens"]
             rows += self._compare(p, methods, results)
         return rows
 
@@ -488,7 +512,8 @@ class Bench:
         def fits(rows: list[dict], per_prompt_s: float) -> bool:
             if s.deadline is None:
                 return True
-            finish = time.monotonic() + per_prompt_s + self.server_estimate_s(rows, methods) + REPORT_S
+            finish = (time.monotonic() + per_prompt_s + self.server_estimate_s(rows, methods)
+                      + self.thread_study_estimate_s(rows) + REPORT_S)
             return finish <= s.deadline
 
         rows = self.main_loop(methods, fits)
@@ -501,6 +526,13 @@ class Bench:
                 self.retotal(len(s.server_concurrency) *
                              (min(s.server_prompts, n_done) - min(s.server_prompts, len(s.prompts))))
         srv = self.server_phase(self.server_n_max(rows, methods), texts) if s.server else None
+        done = [p for p in s.prompts if p.id in texts]
+        if s.thread_study:
+            study = self.thread_study(done, texts)
+            self.retotal(study.count_runs() - self.thread_study(s.prompts, {}).count_runs())
+            threads = study.run()
+        else:
+            threads = None
         summary = summarise(rows, methods)
         # the model's predictions against this run's measurements; "bench acceptance" re-predicts with the
         # acceptance measured on the benchmark prompts, separating timing error from acceptance sampling
@@ -542,6 +574,7 @@ class Bench:
             "ratios": ratios(rows, methods, self.block_size),
             "cost_model": cm,
             "server": srv,
+            "threads": threads,
             "rows": [r for r in rows if r["method"] != "_texts"],
             "texts": [r for r in rows if r["method"] == "_texts"],
         }

@@ -283,12 +283,16 @@ def test_compact_draft_head(tiny_target_gguf, draft_gguf, smollm2_gguf, smollm2_
     assert np.array_equal(got["result_output"], want["result_output"])
 
 
-def test_every_call_computes_on_the_runtimes_one_thread(rt):
-    """Streaming or not, from any thread: one compute thread per Runtime (no thread per stream), the
-    same tokens, errors raised in the caller, and an abandoned stream does not block the next call."""
+def test_every_call_computes_on_the_runtimes_one_thread(rt, tiny_target_gguf):
+    """Streaming or not, from any thread: one compute thread for every Runtime of the process (no thread
+    per stream or per Runtime: each compute thread has its own OpenMP team, and two teams slow each
+    other), the same tokens, errors raised in the caller, and an abandoned stream does not block the
+    next call, of this Runtime or another."""
     import threading
 
     before = threading.active_count()
+    other = dflash_llama.Runtime(tiny_target_gguf, n_threads=1, n_ctx=128)
+    assert other._compute is rt._compute and threading.active_count() == before
     plain = rt.generate("def f(x):", 12)
     streams = [rt.generate("def f(x):", 12, stream=True) for _ in range(3)]
     for s in streams:
@@ -301,6 +305,10 @@ def test_every_call_computes_on_the_runtimes_one_thread(rt):
     abandoned = iter(rt.generate("def f(x):", 12, stream=True))
     next(abandoned)
     assert rt.autoregressive("def f(x):", 12).tokens == plain.tokens  # greedy DFlash = plain greedy
+    mid = iter(rt.generate("def f(x):", 12, stream=True))
+    first = next(mid)
+    assert other.autoregressive("def f(x):", 12).tokens == plain.tokens  # while another Runtime streams
+    assert first + "".join(mid) == plain.text
     assert threading.active_count() == before
     with pytest.raises(ValueError, match="the prompt has 300 tokens but the context holds 256"):  # from C++
         rt.generate([1] * 300, 4)

@@ -72,6 +72,7 @@ class PeerResult:
     stopped: bool  # ended at an end-of-generation token
     n_drafted: int | None = None  # speculative tools: drafted tokens sent to the target
     n_accept: int | None = None  # ... and accepted by it
+    n_threads: int | None = None  # the threads it decoded with (its own report)
     command: list[str] = field(default_factory=list)
 
     @property
@@ -104,8 +105,10 @@ def parse_completion(stdout: str, stderr: str) -> PeerResult:
     eval_ms = _number(r"common_perf_print:\s+eval time =\s+([\d.]+) ms", stderr, "the eval time", tool)
     runs = int(_number(r"common_perf_print:\s+eval time =\s+[\d.]+ ms /\s+(\d+) runs", stderr, "the eval runs", tool))
     prompt_ms = _number(r"prompt eval time =\s+([\d.]+) ms", stderr, "the prompt eval time", tool)
+    threads = re.search(r"system_info: n_threads = (\d+)", stderr)
     # the first token comes from the prompt's logits, every later one from one eval run
-    return PeerResult(text=text, n_tokens=runs, decode_ms=eval_ms, prompt_ms=prompt_ms, stopped=stopped)
+    return PeerResult(text=text, n_tokens=runs, decode_ms=eval_ms, prompt_ms=prompt_ms, stopped=stopped,
+                      n_threads=int(threads.group(1)) if threads else None)
 
 
 def parse_speculative(stdout: str, stderr: str, prompt: str, n_predict: int) -> PeerResult:
@@ -157,16 +160,21 @@ def gpu_flags(n_gpu_layers: int, *, draft: bool = False) -> list[str]:
     return ["-ngl", n, *(["-ngld", n] if draft else [])]
 
 
-def _decoding_flags(target, prompt: str, n_predict: int, threads: int, n_ctx: int,
+def _thread_flags(threads: int | None, *names: str) -> list[str]:
+    """`-t N -tb N` (or the draft's `-td N -tbd N`); none for threads None: the tool's default count."""
+    return [] if threads is None else [x for name in names for x in (name, str(threads))]
+
+
+def _decoding_flags(target, prompt: str, n_predict: int, threads: int | None, n_ctx: int,
                     flash_attn: str, n_gpu_layers: int = 0, draft: bool = False) -> list[str]:
-    return ["-m", os.fspath(target), "-p", prompt, "--no-escape", "-n", str(n_predict), "-t", str(threads),
-            "-tb", str(threads), "-c", str(n_ctx), "--temp", "0", "--seed", "0", "-fa", flash_attn,
+    return ["-m", os.fspath(target), "-p", prompt, "--no-escape", "-n", str(n_predict),
+            *_thread_flags(threads, "-t", "-tb"), "-c", str(n_ctx), "--temp", "0", "--seed", "0", "-fa", flash_attn,
             *gpu_flags(n_gpu_layers, draft=draft)]
 
 
-def completion(target, prompt: str, n_predict: int, *, threads: int, n_ctx: int, flash_attn: str = "off",
+def completion(target, prompt: str, n_predict: int, *, threads: int | None, n_ctx: int, flash_attn: str = "off",
                n_gpu_layers: int = 0, timeout_s: float = 600.0) -> PeerResult:
-    """Plain greedy decoding with the pinned llama-completion."""
+    """Plain greedy decoding with the pinned llama-completion (threads None: the tool's default count)."""
     cmd = [str(paths.tool("llama-completion")),
            *_decoding_flags(target, prompt, n_predict, threads, n_ctx, flash_attn, n_gpu_layers),
            "-no-cnv", "--no-display-prompt"]
@@ -185,7 +193,7 @@ def speculative_command(target, prompt: str, n_predict: int, spec_type: str, *, 
            *_decoding_flags(target, prompt, n_predict, threads, n_ctx, flash_attn, n_gpu_layers, draft is not None),
            "--spec-type", spec_type]
     if draft is not None:
-        cmd += ["-md", os.fspath(draft), "-td", str(threads), "-tbd", str(threads)]
+        cmd += ["-md", os.fspath(draft), *_thread_flags(threads, "-td", "-tbd")]
     if n_max is not None:
         cmd += ["--spec-draft-n-max", str(n_max)]
     return cmd + list(extra_args)

@@ -5,7 +5,7 @@
     out.tokens, out.text, out.steps, out.tau, out.stats
     for piece in rt.generate("def fib(n):", 64, stream=True): print(piece, end="")
 
-Compute runs in C++ with the GIL released, always on one thread of the Runtime's own (see
+Compute runs in C++ with the GIL released, always on one thread shared by every Runtime of the process (see
 `_ComputeThread`); errors arrive as exceptions (ValueError for bad input).
 The C++ runtime checks every value; this module only converts them to their C types (an integer out
 of its C type's range is a ValueError here, never a wrap). A prompt is text (str or bytes, UTF-8: the
@@ -182,13 +182,14 @@ def _policy(p) -> Policy:
 
 
 class _ComputeThread:
-    """The one thread a Runtime computes on, streaming or not, one job at a time.
+    """The one thread every Runtime of the process computes on, streaming or not, one job at a time.
 
     ggml's CPU backend runs a graph on an OpenMP team of the calling thread. Each calling thread has
     its own team, and once one thread's team exists, a graph run from another thread measured half
     the speed on a 2-core machine (SmolLM2 decoding: 93 tok/s from the thread that computed before,
-    57 from a fresh thread). Streaming needs a thread besides the caller's, so every compute goes to
-    this one."""
+    57 from a fresh thread; with a compute thread per Runtime, a second Runtime at -t 2 decoded at
+    98 tok/s where one alone did 179). Streaming needs a thread besides the caller's, so every
+    compute goes to this one, shared by all Runtimes: their jobs run in the order they came."""
 
     def __init__(self):
         self._start()
@@ -240,8 +241,19 @@ class _ComputeThread:
             raise value
         return value
 
-    def stop(self) -> None:
-        self._jobs.put(None)
+
+
+_shared_compute: _ComputeThread | None = None
+_shared_compute_lock = threading.Lock()
+
+
+def _compute_thread() -> _ComputeThread:
+    """The process's compute thread, started at the first Runtime."""
+    global _shared_compute
+    with _shared_compute_lock:
+        if _shared_compute is None:
+            _shared_compute = _ComputeThread()
+        return _shared_compute
 
 
 @dataclass
@@ -278,12 +290,7 @@ class Runtime:
                                     c_int("n_seq", n_seq), bool(compact_draft_head), bool(verbose),
                                     measure_threads=n_threads is None)
         self._core = _core
-        self._compute = _ComputeThread()  # every graph runs there, one sequence at a time
-
-    def __del__(self):
-        compute = getattr(self, "_compute", None)
-        if compute is not None:
-            compute.stop()
+        self._compute = _compute_thread()  # every graph of every Runtime runs there, one job at a time
 
     # -- properties -------------------------------------------------------------------------
     @property
