@@ -196,6 +196,8 @@ void bind_thread_choice(nb::module_ & m) {
         .def_ro("measured", &thread_choice::measured)
         .def_ro("counts", &thread_choice::counts)
         .def_ro("plain_ms", &thread_choice::plain_ms)
+        .def_ro("batch_rows", &thread_choice::batch_rows)
+        .def_ro("batch_ms", &thread_choice::batch_ms)
         .def_ro("measurements", &thread_choice::measurements);
 }
 

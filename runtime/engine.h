@@ -1,8 +1,9 @@
 // A target and (optionally) a DFlash draft loaded together and checked against each other: what the
 // CLI and the Python API drive. Without a draft it decodes autoregressively only.
 //
-// Threads: with measure_threads (-t not given) the engine measures a plain decode at 1, 2 and all
-// hardware threads before its first generation and keeps the fastest (ggml's threads wait for each
+// Threads: with measure_threads (-t not given) the engine measures a plain decode (and with a draft
+// a verify of its block: thread_choice::cost) at 1, 2 and all hardware threads before its first
+// generation and keeps the fastest (ggml's threads wait for each
 // other: when another process holds a core, fewer threads decode faster). When a generation's plain
 // steps run kDrift times slower than measured, over kDriftSteps of them or more, it measures again
 // (and the adaptive loop's step costs with it) before the next generation. Else target.n_threads

@@ -66,7 +66,13 @@ struct thread_choice {
     bool    measured  = false;   // chosen by measurement (-t not given), else as given
     std::vector<int32_t> counts;    // the counts measured
     std::vector<double>  plain_ms;  // a plain decode at each, the best of a few (ms)
+    int32_t batch_rows = 0;         // with a draft: the rows of a verify of its block (0: not measured)
+    std::vector<double>  batch_ms;  // ... such a verify at each count, the best of a few (ms)
     int32_t measurements = 0;    // times measured; more than 1: measured again after a drift
+
+    // What a count is judged by: a plain step plus a verified token's share of a block's verify
+    // (the adaptive loop spends its time on both).
+    double cost(size_t i) const { return plain_ms[i] + (batch_rows > 0 ? batch_ms[i] / batch_rows : 0.0); }
 };
 
 struct generate_result {

@@ -103,17 +103,25 @@ def test_ngram_steps_are_counted(rt):
 
 
 def test_threads_are_measured_unless_given(tiny_target_gguf, tiny_draft_gguf):
-    """n_threads 0: a plain decode timed at 1, 2 and all CPUs, the fastest kept (which one is the
-    machine's business: only the record is checked); n_threads N: as given."""
+    """n_threads None: a plain decode and a verify of the draft's block timed at 1, 2 and all CPUs, the
+    count of the least plain step + verified token's share kept (which one is the machine's business:
+    only the record is checked); without a draft, the plain decode alone; n_threads N: as given."""
     import os
 
     rt = dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_ctx=128)
     t = rt.generate("def f(x):", 6).threads
     cpus = os.cpu_count()
     assert t.measured and t.measurements == 1 and t.counts == sorted({1, min(2, cpus), cpus})
-    assert len(t.plain_ms) == len(t.counts) and all(ms > 0 for ms in t.plain_ms)
-    assert t.n_threads == t.counts[t.plain_ms.index(min(t.plain_ms))]
-    assert re.fullmatch(rf"{t.n_threads} \(measured \d+\.\d ms( vs \d+\.\d ms at \d+)*\)", t.line()), t.line()
+    assert len(t.plain_ms) == len(t.batch_ms) == len(t.counts) and all(ms > 0 for ms in t.plain_ms + t.batch_ms)
+    assert t.batch_rows == rt.block_size == 8
+    costs = [p + b / 8 for p, b in zip(t.plain_ms, t.batch_ms)]
+    assert t.n_threads == t.counts[costs.index(min(costs))] and [t.cost(i) for i in range(len(costs))] == costs
+    times = r"\d+\.\d ms( vs \d+\.\d ms at \d+)*"
+    assert re.fullmatch(rf"{t.n_threads} \(measured {times}; a verify of 8: {times}\)", t.line()), t.line()
+    plain = dflash_llama.Runtime(tiny_target_gguf, n_ctx=128).autoregressive("def f(x):", 4).threads
+    assert plain.measured and plain.batch_rows == 0 and plain.batch_ms == []
+    assert plain.n_threads == plain.counts[plain.plain_ms.index(min(plain.plain_ms))]
+    assert re.fullmatch(rf"{plain.n_threads} \(measured {times}\)", plain.line()), plain.line()
     assert rt.autoregressive("def f(x):", 6).threads == t  # measured once per Runtime
     assert rt.generate("def f(x):", 6).to_json()["threads"]["n_threads"] == t.n_threads
     given = dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=1, n_ctx=128).generate("def f(x):", 4)
@@ -256,6 +264,7 @@ def test_cli_draft_max_and_draft_head_values(tiny_target_gguf, draft_gguf):
     assert runs["off"]["policy"]["ngram_steps"] == 0
     threads = runs["auto"]["threads"]
     assert threads["measured"] and threads["n_threads"] in threads["counts"]
+    assert threads["batch_rows"] == 8 and len(threads["batch_ms"]) == len(threads["counts"])
     res = subprocess.run(base + ["-p", "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2", "-n", "16"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     steps = r"\nsteps: +\d+ plain, \d+ draft \(tau \d+\.\d\d\), [1-9]\d* n-gram \(acc \d\.\d\d\)\n"

@@ -136,15 +136,26 @@ class Threads:
     counts: list[int]
     plain_ms: list[float]
     measurements: int = 0
+    batch_rows: int = 0  # with a draft: the rows of a verify of its block, timed at each count too
+    batch_ms: list[float] = field(default_factory=list)
+
+    def cost(self, i: int) -> float:
+        """What count i is judged by: a plain step plus a verified token's share of a verify."""
+        return self.plain_ms[i] + (self.batch_ms[i] / self.batch_rows if self.batch_rows else 0.0)
 
     def line(self) -> str:
-        """'1 (measured 6.1 ms vs 9.8 ms at 2)'."""
+        """'1 (measured 6.1 ms vs 9.8 ms at 2; a verify of 8: 41.8 ms vs 60.2 ms at 2)'."""
         if not self.measured:
             return f"{self.n_threads} (as given)"
-        mine = [f" {ms:.1f} ms" for c, ms in zip(self.counts, self.plain_ms) if c == self.n_threads]
-        others = [f" vs {ms:.1f} ms at {c}" for c, ms in zip(self.counts, self.plain_ms) if c != self.n_threads]
+
+        def times(ms_list: list[float]) -> str:
+            mine = [f" {ms:.1f} ms" for c, ms in zip(self.counts, ms_list) if c == self.n_threads]
+            others = [f" vs {ms:.1f} ms at {c}" for c, ms in zip(self.counts, ms_list) if c != self.n_threads]
+            return "".join(mine + others)
+
+        batch = f"; a verify of {self.batch_rows}:{times(self.batch_ms)}" if self.batch_rows else ""
         again = f"; {self.measurements} measurements" if self.measurements > 1 else ""
-        return f"{self.n_threads} (measured{''.join(mine)}{''.join(others)}{again})"
+        return f"{self.n_threads} (measured{times(self.plain_ms)}{batch}{again})"
 
 
 @dataclass
@@ -272,7 +283,8 @@ class Runtime:
                  n_threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512, n_gpu_layers: int = 0,
                  kv_f32: bool = False, n_seq: int = 1, compact_draft_head: bool = True, verbose: bool = False):
         """n_threads: CPU threads (0 or -1: all); None (default): measured before the first generation, the
-        fastest of 1, 2 and all for a plain decode, and again when decoding slows down.
+        fastest of 1, 2 and all for a plain decode and (with a draft) a verify of its block, and again when
+        decoding slows down.
         kv_f32: keep the target's KV cache in f32 (llama.cpp's default is f16), for parity runs.
         n_seq: sequences `autoregressive_batch` decodes side by side (n_ctx is per sequence).
         compact_draft_head: the draft proposes through a Q4_0 copy of the target's output head (made at
@@ -499,7 +511,8 @@ class Runtime:
                         s.t_other_ms, s.t_total_ms, s.tokens_per_second),
             policy=_policy(r.policy) if r.adaptive else None,
             threads=Threads(r.threads.n_threads, r.threads.measured, list(r.threads.counts), list(r.threads.plain_ms),
-                            r.threads.measurements) if r.threads.n_threads > 0 else None,
+                            measurements=r.threads.measurements, batch_rows=r.threads.batch_rows,
+                            batch_ms=list(r.threads.batch_ms)) if r.threads.n_threads > 0 else None,
         )
 
     def _run(self, fn, prompt, params, stream: bool):
