@@ -60,7 +60,8 @@ def add_threads_arg(p: argparse.ArgumentParser, *, measured: bool = False) -> No
     """-t/--threads (0: all CPUs; measured: unset by default, the runtime measures the fastest count) and -ngl."""
     p.add_argument("-t", "--threads", type=int, default=None if measured else THREADS,
                    help="CPU threads (0 or -1: all; default: measured, the fastest of 1, 2 and all for a plain "
-                        "decode and a verify, and again when decoding slows down)" if measured else "CPU threads (default 0: all)")
+                        "decode and a verify, and again when decoding slows down)" if measured
+                   else "CPU threads (default 0: all)")
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int, default=0, metavar="N",
                    help="target layers on the GPU (default 0; -1: all; a GPU build only); the draft runs "
                         "on the GPU when the target's output layer does")
