@@ -207,8 +207,9 @@ def _runtime_row(m: Method, g) -> dict:
                    acceptance_rate=accepted / drafted if drafted else None,
                    acceptance_by_position=list(g.acceptance_by_position),
                    acceptance_lengths=[x.produced for x in g.steps],
-                   drafted_per_step=[len(x.drafted) for x in g.steps],
-                   accepted_per_step=[x.accepted for x in g.steps])
+                   # the draft's own record (an n-gram step of the adaptive loop may verify up to NGRAM_MAX)
+                   drafted_per_step=[len(x.drafted) for x in g.steps if x.source != "ngram"],
+                   accepted_per_step=[x.accepted for x in g.steps if x.source != "ngram"])
     if getattr(g, "policy", None) is not None:
         row["policy"] = asdict(g.policy)
     return row
@@ -616,7 +617,8 @@ def summarise(rows: list[dict], methods: list[Method]) -> dict:
         if m.impl == "dflash-llama" and m.kind == "dflash":
             lengths = [x for r in rs for x in r["acceptance_lengths"]]
             item["tau"] = sum(lengths) / len(lengths) if lengths else None
-            item["acceptance_length_histogram"] = {str(k): lengths.count(k) for k in range(1, m.block_size + 1)}
+            item["acceptance_length_histogram"] = {str(k): lengths.count(k)
+                                                   for k in range(1, max([m.block_size, *lengths]) + 1)}
             item["acceptance_by_position"] = cost_model.survival(
                 [pair for r in rs for pair in zip(r["drafted_per_step"], r["accepted_per_step"])])
             split = {k: sum(r["time_split_ms"][k] for r in rs)

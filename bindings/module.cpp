@@ -74,6 +74,7 @@ void bind_functions(nb::module_ & m) {
     m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); },
           "Whether this build has a GPU backend with a device (n_gpu_layers / -ngl can offload).");
     m.attr("NO_GPU_BACKEND") = dflash::kNoGpuBackend;
+    m.attr("NGRAM_MAX")      = dflash::draft_policy::kNgramMax;  // the longest n-gram proposal verified
     m.def("gguf_info", &gguf_info_dict, "path"_a,
           "Read a GGUF header. Raises ValueError for a missing, foreign or truncated file.");
 }
@@ -145,12 +146,12 @@ void bind_draft_policy(nb::module_ & m) {
              }, "max_draft"_a, "verify_ms"_a, "draft_ms"_a, "shadow"_a, "probe_wait"_a = 0)
         .def_prop_ro("probe_wait", &draft_policy::probe_wait)
         .def("choose", nb::overload_cast<>(&draft_policy::choose))
-        .def("choose_step", [](draft_policy & p, int32_t ngram_len) {
-                 const dflash::step_choice c = p.choose(ngram_len);
+        .def("choose_step", [](draft_policy & p, int32_t ngram_len, int32_t match) {
+                 const dflash::step_choice c = p.choose(ngram_len, match);
                  return nb::make_tuple(std::string(dflash::source_name(c.source)), c.n);
-             }, "ngram_len"_a)
+             }, "ngram_len"_a, "match"_a = 0)
         .def("observe_ngram", &draft_policy::observe_ngram, "m"_a, "accepted"_a, "t_verify_ms"_a)
-        .def("expected_ngram_tokens", &draft_policy::expected_ngram_tokens, "m"_a)
+        .def("expected_ngram_tokens", &draft_policy::expected_ngram_tokens, "m"_a, "match"_a = 0)
         .def("take_shadow", &draft_policy::take_shadow)
         .def("observe_shadow", &draft_policy::observe_shadow, "n"_a, "matched"_a, "settled"_a, "t_draft_ms"_a)
         .def("drop_shadow", &draft_policy::drop_shadow)
@@ -173,6 +174,10 @@ void bind_ngram_index(nb::module_ & m) {
         .def(nb::init<int32_t, int32_t>(), "n_min"_a = ngram_index::kMinN, "n_max"_a = ngram_index::kMaxN)
         .def("add", nb::overload_cast<const std::vector<int32_t> &>(&ngram_index::add), "tokens"_a)
         .def("propose", &ngram_index::propose, "max_len"_a)
+        .def("propose_match", [](const ngram_index & ix, int32_t max_len) {
+                 dflash::ngram_proposal p = ix.propose_match(max_len);
+                 return nb::make_tuple(p.tokens, p.match);
+             }, "max_len"_a)
         .def("__len__", &ngram_index::size);
 }
 

@@ -28,8 +28,8 @@ void draft_policy::average::add(double x) {
 }
 
 draft_policy::draft_policy(int32_t max_draft, const step_costs * costs, bool shadow, int32_t probe_wait)
-    : max_draft_(max_draft), verify_(max_draft + 2), draft_(max_draft + 1), hits_(max_draft + 1, 0.0),
-      tries_(max_draft + 1, 0.0), ngram_hits_(max_draft + 1, 0.0), ngram_tries_(max_draft + 1, 0.0), shadow_(shadow) {
+    : max_draft_(max_draft), verify_(std::max(max_draft, kNgramMax) + 2), draft_(max_draft + 1), hits_(max_draft + 1, 0.0),
+      tries_(max_draft + 1, 0.0), shadow_(shadow) {
     if (max_draft < 1) {
         throw std::invalid_argument("the adaptive loop needs a block of at least 2 tokens, got a draft of " +
                                     std::to_string(max_draft));
@@ -58,8 +58,9 @@ draft_policy::draft_policy(int32_t max_draft, const step_costs * costs, bool sha
 
 // E(n) = 1 + sum_{i<=n} prod_{j<=i} c_j, each c_j the decayed hit rate of position j pulled towards
 // the estimate of position j - 1 (of position 1: kFirstAcceptance) with weight kPriorWeight.
-double draft_policy::chained(const std::vector<double> & hits, const std::vector<double> & tries, int32_t n) {
-    double e = 1.0, run = 1.0, c = kFirstAcceptance;
+double draft_policy::chained(const std::vector<double> & hits, const std::vector<double> & tries, int32_t n,
+                             double prior) {
+    double e = 1.0, run = 1.0, c = prior;
     for (int32_t i = 1; i <= n; ++i) {
         c = (hits[i] + kPriorWeight * c) / (tries[i] + kPriorWeight);
         run *= c;
@@ -68,9 +69,15 @@ double draft_policy::chained(const std::vector<double> & hits, const std::vector
     return e;
 }
 
-double draft_policy::expected_tokens(int32_t n) const { return chained(hits_, tries_, n); }
+double draft_policy::expected_tokens(int32_t n) const { return chained(hits_, tries_, n, kFirstAcceptance); }
 
-double draft_policy::expected_ngram_tokens(int32_t m) const { return chained(ngram_hits_, ngram_tries_, m); }
+double draft_policy::expected_ngram_tokens(int32_t m, int32_t match) const {
+    return ngram_tokens(match_class(match), std::min(m, kNgramMax));
+}
+
+double draft_policy::ngram_tokens(int32_t cls, int32_t m) const {
+    return chained(ngram_[cls].hits, ngram_[cls].tries, m, kNgramPrior[cls]);
+}
 
 // Seen sizes as they are; others on the line through the nearest seen sizes around them (beyond the
 // largest, the slope of the two largest, or kPriorSlope plain steps per token if only one is seen).
@@ -78,8 +85,9 @@ double draft_policy::verify_ms(int32_t k) const {
     if (verify_[k].seen) return verify_[k].value;
     int32_t lo = k - 1, hi = k + 1;
     while (lo >= 1 && !verify_[lo].seen) --lo;
-    while (hi <= max_draft_ + 1 && !verify_[hi].seen) ++hi;
-    const bool has_hi = hi <= max_draft_ + 1;
+    const int32_t top = (int32_t) verify_.size() - 1;
+    while (hi <= top && !verify_[hi].seen) ++hi;
+    const bool has_hi = hi <= top;
     if (lo >= 1 && has_hi) {
         const double f = (double) (k - lo) / (hi - lo);
         return verify_[lo].value + f * (verify_[hi].value - verify_[lo].value);
@@ -135,12 +143,15 @@ void draft_policy::note_step(int32_t n) {
     }
 }
 
-int32_t draft_policy::best_ngram(int32_t max_len) const {
+// Up to the draft's block, or twice the furthest position the class has verified: a position never
+// verified inherits the estimate of the one before it, which a single lucky step can inflate.
+int32_t draft_policy::best_ngram(int32_t max_len, int32_t cls) const {
+    const int32_t reach = std::max(max_draft_, 2 * ngram_[cls].reach);
     int32_t pick = 1;
     double  top  = -1.0;
-    for (int32_t m = 1; m <= std::min(max_len, max_draft_); ++m) {
+    for (int32_t m = 1; m <= std::min({ max_len, reach, kNgramMax }); ++m) {
         const double ms = expected_ngram_ms(m);
-        const double speed = ms > 0.0 ? expected_ngram_tokens(m) / ms : 0.0;
+        const double speed = ms > 0.0 ? ngram_tokens(cls, m) / ms : 0.0;
         if (speed > top) {
             top  = speed;
             pick = m;
@@ -164,24 +175,28 @@ double draft_policy::draft_side_speed() const {
 // most kProbeMax) proposals passed over, the wait starting again at kProbeFirst after a probe that
 // leaves it paying: its acceptance is learned only by verifying it. No probe when not even a
 // proposal accepted in full would be faster.
-step_choice draft_policy::choose(int32_t ngram_len) {
-    if (ngram_len < 0) {
-        throw std::invalid_argument("draft_policy: an n-gram proposal of " + std::to_string(ngram_len) + " tokens");
+step_choice draft_policy::choose(int32_t ngram_len, int32_t match) {
+    if (ngram_len < 0 || match < 0) {
+        throw std::invalid_argument("draft_policy: an n-gram proposal of " + std::to_string(ngram_len) + " tokens from a "
+                                    "match of " + std::to_string(match));
     }
     if (ngram_len > 0 && verify_[1].seen) {  // the n-gram side needs a plain step's time to compare with
-        const int32_t m  = best_ngram(ngram_len);
+        const int32_t cls = match_class(match);
+        ngram_record & r = ngram_[cls];
+        const int32_t m  = best_ngram(ngram_len, cls);
         const double  ms = expected_ngram_ms(m);
         const double rival = draft_side_speed();
-        const bool faster = ms > 0.0 && expected_ngram_tokens(m) / ms > rival;
+        const bool faster = ms > 0.0 && ngram_tokens(cls, m) / ms > rival;
         bool could = false;  // a proposal accepted in full would be faster: worth a probe
         for (int32_t k = 1; k <= std::min(ngram_len, max_draft_) && !could; ++k) {
             could = expected_ngram_ms(k) > 0.0 && (k + 1) / expected_ngram_ms(k) > rival;
         }
-        if (faster || (could && ngram_countdown_ == 0)) {
+        if (faster || (could && r.countdown == 0)) {
             ngram_probing_ = !faster;
+            ngram_class_   = cls;
             return { step_source::ngram, m };
         }
-        ngram_countdown_ -= could && ngram_countdown_ > 0 ? 1 : 0;
+        r.countdown -= could && r.countdown > 0 ? 1 : 0;
     }
     const int32_t n = choose();
     return { n == 0 ? step_source::plain : step_source::draft, n };
@@ -243,8 +258,12 @@ void draft_policy::decay() {
     for (int32_t j = 1; j <= max_draft_; ++j) {
         hits_[j]  *= kDecay;
         tries_[j] *= kDecay;
-        ngram_hits_[j]  *= kDecay;
-        ngram_tries_[j] *= kDecay;
+    }
+    for (ngram_record & r : ngram_) {
+        for (int32_t j = 1; j <= kNgramMax; ++j) {
+            r.hits[j]  *= kDecay;
+            r.tries[j] *= kDecay;
+        }
     }
 }
 
@@ -271,26 +290,28 @@ void draft_policy::observe_draft(int32_t n, int32_t accepted, double t_draft_ms,
 }
 
 void draft_policy::observe_ngram(int32_t m, int32_t accepted, double t_verify_ms) {
-    if (m < 1 || m > max_draft_ || accepted < 0 || accepted > m) {
+    if (m < 1 || m > kNgramMax || accepted < 0 || accepted > m) {
         throw std::invalid_argument("draft_policy: an n-gram step of " + std::to_string(m) + " proposed, " +
                                     std::to_string(accepted) + " accepted");
     }
     summary_.ngram_steps += 1;
     summary_.ngram_drafted += m;
     summary_.ngram_accepted += accepted;
+    ngram_record & r = ngram_[ngram_class_];
     if (const double ms = expected_ngram_ms(m); ms > 0.0) {
-        summary_.predicted_tokens += expected_ngram_tokens(m);
+        summary_.predicted_tokens += ngram_tokens(ngram_class_, m);
         summary_.predicted_ms     += ms;
     }
     verify_[m + 1].add(t_verify_ms);
     decay();
-    tally(ngram_hits_, ngram_tries_, m, accepted, true);
+    tally(r.hits, r.tries, m, accepted, true);
+    r.reach = std::max(r.reach, std::min(accepted + 1, m));
     if (ngram_probing_) {
         ngram_probing_ = false;
-        const int32_t best = best_ngram(max_draft_);
-        const bool pays = expected_ngram_tokens(best) / expected_ngram_ms(best) > draft_side_speed();
-        ngram_wait_ = pays ? kProbeFirst : std::min(kProbeGrowth * ngram_wait_, kProbeMax);
-        ngram_countdown_ = ngram_wait_;
+        const int32_t best = best_ngram(kNgramMax, ngram_class_);
+        const bool pays = ngram_tokens(ngram_class_, best) / expected_ngram_ms(best) > draft_side_speed();
+        r.wait = pays ? kProbeFirst : std::min(kProbeGrowth * r.wait, kProbeMax);
+        r.countdown = r.wait;
     }
 }
 

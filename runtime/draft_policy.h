@@ -17,7 +17,14 @@
 // A second proposal source: an n-gram continuation of the text so far (ngram.h), when there is one.
 // It costs no draft forward, only a verify of m + 1 tokens, and has its own acceptance by position:
 //
-//   speed_ngram(m) = E_ngram(m) / t_verify(m + 1),   m = 1..min(its length, max_draft)
+//   speed_ngram(m) = E_ngram(m) / t_verify(m + 1),   m = 1..min(its length, kNgramMax)
+//
+// An n-gram proposal may run past the draft's block (up to kNgramMax tokens, verify costs beyond the
+// measured sizes extrapolated), and its acceptance is kept per class of match length (ngram.h: how
+// many tokens of the text's end the found occurrence matches): a short match (under kMatchMedium
+// tokens), a medium one, a long one (kMatchLong or more, a copy of earlier text). Each class has its
+// own record by position and its own probing, so that a rare long match is verified in full while the
+// frequent 2-token matches, often wrong, wait.
 //
 // Each step the n-gram proposal is verified (cut to its best m) when it is faster than what the draft
 // side would do (plain decoding, or drafting N when drafting pays); else the draft side chooses as
@@ -143,9 +150,9 @@ public:
 
     // N for the next step, 0..max_draft (the caller may cut it near the end of the sequence).
     int32_t choose();
-    // The next step when an n-gram proposal of ngram_len tokens is at hand (0: none): it, cut to its
-    // best length, or what choose() picks.
-    step_choice choose(int32_t ngram_len);
+    // The next step when an n-gram proposal of ngram_len tokens is at hand (0: none), from a match of
+    // `match` tokens: it, cut to its best length, or what choose() picks.
+    step_choice choose(int32_t ngram_len, int32_t match = 0);
     // After a plain step: the number of proposals of a shadow probe to draft now (0: none). Its
     // outcome comes back through observe_shadow.
     int32_t take_shadow();
@@ -153,7 +160,7 @@ public:
     // a verify of n + 1 tokens and the injection of the accepted ones, `accepted` of n accepted.
     void observe_plain(double t_ms);
     void observe_draft(int32_t n, int32_t accepted, double t_draft_ms, double t_verify_ms);
-    // An n-gram proposal of m tokens verified (m + 1 tokens in one target decode), `accepted` of them.
+    // The n-gram proposal chosen, m tokens verified (m + 1 tokens in one target decode), `accepted` of them.
     void observe_ngram(int32_t m, int32_t accepted, double t_verify_ms);
     // A shadow probe of n proposals: its first `matched` equal the tokens produced after it; settled:
     // proposal matched + 1 was seen to differ (or all n matched), else the sequence ended first.
@@ -172,7 +179,7 @@ public:
 
     double expected_tokens(int32_t n) const;
     double expected_ms(int32_t n) const;  // 0 while the cost of n cannot be estimated yet
-    double expected_ngram_tokens(int32_t m) const;
+    double expected_ngram_tokens(int32_t m, int32_t match = 0) const;  // from a match of `match` tokens
     double expected_ngram_ms(int32_t m) const { return verify_ms(m + 1); }
     // The speed of a draft accepted in full at its best N, in units of plain decoding's (0: unknown).
     double perfect_speedup() const;
@@ -185,12 +192,21 @@ public:
     static constexpr int32_t kProbeGrowth  = 4;   // the wait after each further one
     static constexpr int32_t kProbeMax     = 256;
     static constexpr double  kSwitchMargin = 0.1;  // a probe ends plain mode when drafting is this much faster
+    static constexpr int32_t kNgramMax     = 32;   // the longest n-gram proposal verified
+    static constexpr int32_t kMatchMedium  = 6;    // match lengths of the n-gram classes: short below this,
+    static constexpr int32_t kMatchLong    = 16;   // long from this (a copy), medium between
+    static int32_t match_class(int32_t match) { return match >= kMatchLong ? 2 : match >= kMatchMedium ? 1 : 0; }
+    // The prior acceptance of a class's first position before any of its proposals was verified: a
+    // longer match is more often a copy (SmolLM2 on HumanEval: the first token of a match of 2 right
+    // 39% of the time, of 6 to 15 tokens 83-91%, of 16 or more 94%).
+    static constexpr double kNgramPrior[3] = { 0.5, 0.7, 0.85 };
 
 private:
     struct average { double value = 0.0; bool seen = false; void add(double x); };
 
     int32_t best(int32_t n_min) const;
-    int32_t best_ngram(int32_t max_len) const;
+    int32_t best_ngram(int32_t max_len, int32_t cls) const;
+    double  ngram_tokens(int32_t cls, int32_t m) const;
     double  draft_side_speed() const;  // tokens/ms of what choose() would do now (plain, or drafting that pays)
     bool    pays(int32_t n) const;
     double  verify_ms(int32_t k) const;   // k tokens in one target decode; k = 1 is a plain step
@@ -198,14 +214,22 @@ private:
     void    note_step(int32_t n);
     void    decay();
     static void tally(std::vector<double> & hits, std::vector<double> & tries, int32_t n, int32_t accepted, bool settled);
-    static double chained(const std::vector<double> & hits, const std::vector<double> & tries, int32_t n);
+    static double chained(const std::vector<double> & hits, const std::vector<double> & tries, int32_t n,
+                          double prior);
     void    end_probe();
 
     int32_t max_draft_;
-    std::vector<average> verify_;   // [k], k = 1..max_draft + 1
+    std::vector<average> verify_;   // [k], k = 1..max(max_draft, kNgramMax) + 1
     std::vector<average> draft_;    // [n], n = 1..max_draft
     std::vector<double>  hits_, tries_;  // decayed counts per position [j], j = 1..max_draft
-    std::vector<double>  ngram_hits_, ngram_tries_;  // the same for n-gram proposals
+    struct ngram_record {           // one class of n-gram proposals (match_class)
+        std::vector<double> hits  = std::vector<double>(kNgramMax + 1, 0.0);  // [j], j = 1..kNgramMax
+        std::vector<double> tries = std::vector<double>(kNgramMax + 1, 0.0);
+        int32_t reach = 0;          // the furthest position verified
+        int32_t countdown = 0;      // proposals to pass over before the next probe
+        int32_t wait = kProbeFirst / kProbeGrowth;  // the first wait after a probe that does not pay: 16
+    };
+    ngram_record ngram_[3];
     bool    plain_mode_ = false;
     bool    probing_    = false;
     bool    shadow_     = false;
@@ -213,8 +237,7 @@ private:
     int32_t countdown_  = 0;
     int32_t interval_   = kProbeFirst;
     bool    ngram_probing_   = false;  // the n-gram step under way is a probe
-    int32_t ngram_countdown_ = 0;      // proposals to pass over before the next n-gram probe
-    int32_t ngram_wait_      = kProbeFirst / kProbeGrowth;  // the first wait after a probe that does not pay: 16
+    int32_t ngram_class_     = 0;      // ... and its class
     confidence_calibration calibration_;
     int32_t gate_n_ = 0;        // the drafting step under the gate: its n, the chained chance of its
     double  gate_run_ = 1.0;    // slots kept so far, and their expected tokens (1 + sum of the chain)

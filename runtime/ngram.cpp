@@ -41,8 +41,8 @@ void ngram_index::add(const std::vector<int32_t> & tokens) {
     for (const int32_t t : tokens) add(t);
 }
 
-std::vector<int32_t> ngram_index::propose(int32_t max_len) const {
-    std::vector<int32_t> out;
+ngram_proposal ngram_index::propose_match(int32_t max_len) const {
+    ngram_proposal out;
     const int32_t end = size();
     for (int32_t n = std::min(n_max_, end - 1); n >= n_min_ && max_len > 0; --n) {
         const auto & map = next_[n - n_min_];
@@ -50,7 +50,12 @@ std::vector<int32_t> ngram_index::propose(int32_t max_len) const {
         if (it == map.end() || !same(it->second, end, n)) continue;  // none, or a hash collision
         const int32_t from = it->second, period = end - from;
         for (int32_t j = 0; j < max_len; ++j) {
-            out.push_back(from + j < end ? tokens_[from + j] : out[j - period]);
+            out.tokens.push_back(from + j < end ? tokens_[from + j] : out.tokens[j - period]);
+        }
+        out.match = n;
+        while (out.match < kMaxMatch && from - out.match - 1 >= 0 &&
+               tokens_[from - out.match - 1] == tokens_[end - out.match - 1]) {
+            ++out.match;
         }
         break;
     }

@@ -4,6 +4,11 @@
 // proposes the tokens that followed it. Where the continuation runs into the end of the text (a
 // repeat with a period shorter than the proposal) it keeps repeating that period.
 //
+// With the proposal comes the length of the match: the found occurrence and the text's end compared
+// backwards beyond n, up to kMaxMatch tokens. A long match is a copy of earlier text (a repeated
+// line, a name list, an example) and far more often right than a match of 2 tokens: the adaptive
+// loop keeps its record of acceptance per class of match length (draft_policy.h).
+//
 // One hash map per n, from an n-gram to the index of the token that followed its latest
 // occurrence: O(n_max^2) work per token added, whatever the text's length. Only committed tokens
 // are added, so there is nothing to roll back.
@@ -15,10 +20,16 @@
 
 namespace dflash {
 
+struct ngram_proposal {
+    std::vector<int32_t> tokens;  // what followed the match
+    int32_t match = 0;            // tokens the match spans (n_min..kMaxMatch; 0: no proposal)
+};
+
 class ngram_index {
 public:
-    static constexpr int32_t kMinN = 2;
-    static constexpr int32_t kMaxN = 4;
+    static constexpr int32_t kMinN     = 2;
+    static constexpr int32_t kMaxN     = 4;
+    static constexpr int32_t kMaxMatch = 64;  // a match is measured up to this many tokens
 
     // Throws std::invalid_argument unless 1 <= n_min <= n_max <= 64.
     explicit ngram_index(int32_t n_min = kMinN, int32_t n_max = kMaxN);
@@ -28,7 +39,9 @@ public:
 
     // Up to max_len tokens that would follow the text, from the most recent earlier occurrence of its
     // longest matching suffix; empty when no suffix of n_min tokens or more occurred before.
-    std::vector<int32_t> propose(int32_t max_len) const;
+    std::vector<int32_t> propose(int32_t max_len) const { return propose_match(max_len).tokens; }
+    // The same with the length of the match it came from.
+    ngram_proposal propose_match(int32_t max_len) const;
 
     int32_t size() const { return (int32_t) tokens_.size(); }
 

@@ -588,13 +588,14 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
             loop.draft_step(std::min(draft_max, room), on_tokens);
             continue;
         }
-        const std::vector<int32_t> proposal = loop.ngrams ? loop.ngrams->propose(std::min(draft_max, room))
-                                                          : std::vector<int32_t>();
-        const step_choice choice = policy.choose((int32_t) proposal.size());
+        // an n-gram proposal may run past the draft's block (draft_policy::kNgramMax)
+        const ngram_proposal proposal = loop.ngrams ? loop.ngrams->propose_match(std::min(draft_policy::kNgramMax, room))
+                                                    : ngram_proposal{};
+        const step_choice choice = policy.choose((int32_t) proposal.tokens.size(), proposal.match);
         const int32_t n = std::min(choice.n, room);
         if (choice.source == step_source::ngram) {
             const auto [t_verify, accepted] =
-                loop.ngram_step(std::vector<int32_t>(proposal.begin(), proposal.begin() + n), on_tokens);
+                loop.ngram_step(std::vector<int32_t>(proposal.tokens.begin(), proposal.tokens.begin() + n), on_tokens);
             policy.observe_ngram(n, accepted, t_verify);
         } else if (n == 0) {
             policy.observe_plain(loop.plain_step(on_tokens));

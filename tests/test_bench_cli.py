@@ -59,7 +59,8 @@ OUR_SPECULATIVE_KEYS = {"tau", "steps", "n_drafted", "n_accepted", "acceptance_r
 def test_bench_json_schema(bench_run):
     _, _, res, _, _ = bench_run
     assert set(res) == {"schema", "meta", "settings", "methods", "summary", "ratios", "cost_model", "server",
-                        "rows", "texts", "command"}
+                        "threads", "rows", "texts", "command"}
+    assert res["threads"] is None  # no --thread-study
     assert {"cpu", "nproc", "started", "wall_s", "command_wall_s", "llama_cpp", "loadavg_start"} <= set(res["meta"])
     for r in res["rows"]:
         keys = set(r)

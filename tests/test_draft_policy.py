@@ -242,6 +242,19 @@ def test_ngram_index_proposes_what_followed_the_latest_longest_match():
         _core.NgramIndex(3, 2)
 
 
+def test_ngram_proposals_say_how_long_their_match_is():
+    """The match is measured backwards past the 4-gram that found it, up to 64 tokens."""
+    copy = _core.NgramIndex()
+    copy.add(list(range(100, 120)) + [1, 2] + list(range(100, 112)))  # 12 tokens of an earlier run again
+    assert copy.propose_match(5) == ([112, 113, 114, 115, 116], 12)
+    short = _core.NgramIndex()
+    short.add([5, 6, 7, 8, 9, 1, 5, 6])
+    assert short.propose_match(3) == ([7, 8, 9], 2) and short.propose_match(3)[0] == short.propose(3)
+    same = _core.NgramIndex()
+    same.add([7] * 100)
+    assert same.propose_match(3) == ([7, 7, 7], 64) and _core.NgramIndex().propose_match(3) == ([], 0)
+
+
 def drive_sources(policy, steps: int, ngram_len, ngram_accepted, draft_accepted, t_verify, t_draft: float = 4.0):
     """Runs `steps` choices with an n-gram proposal of ngram_len(i) tokens at hand; an n-gram step of m
     accepts ngram_accepted(m), a drafting step of n draft_accepted(n); returns the (source, n) chosen."""
@@ -293,7 +306,7 @@ def test_the_loop_chooses_among_plain_draft_and_ngram():
     assert chosen == [("plain", 0)] * 50  # 1 + 1 tokens in 30 ms < 1 in 10, even accepted in full: no probe
     with pytest.raises(ValueError, match="draft_policy: an n-gram step of 2 proposed, 3 accepted"):
         p.observe_ngram(2, 3, 10.0)
-    with pytest.raises(ValueError, match="draft_policy: an n-gram proposal of -1 tokens"):
+    with pytest.raises(ValueError, match="draft_policy: an n-gram proposal of -1 tokens from a match of 0"):
         p.choose_step(-1)
 
 
@@ -305,6 +318,33 @@ def test_an_ngram_source_that_does_not_pay_is_probed_less_and_less():
     # the opening probe, then after 16 and 64 proposals passed over (256 next)
     assert [i for i, c in enumerate(chosen) if c[0] == "ngram"] == [0, 17, 82]
     assert p.summary.ngram_steps == 3 and p.summary.draft_steps == 0
+
+
+def test_long_and_short_matches_are_judged_apart_and_long_ones_verified_past_the_block():
+    """Every other proposal comes from a match of 20 tokens and is always right, the others from a match
+    of 2 and never are: the short ones stop being verified after their probe, the long ones are verified
+    on their prior at once, then at twice the furthest position verified (past the block of 8) up to
+    the longest proposal (32)."""
+    costs = [0.0] + [10.0 + 7.0 * (k - 1) for k in range(1, 34)]  # a verify of 2 costs 1.7 plain steps
+    p = _core.DraftPolicy(7, verify_ms=costs[:9], draft_ms=[0.0] + [4.0] * 7, shadow=True)
+    chosen = []
+    for i in range(20):
+        source, n = p.choose_step(32, 20 if i % 2 else 2)
+        chosen.append((source, n))
+        if source == "ngram":
+            p.observe_ngram(n, n if i % 2 else 0, costs[n + 1])
+        else:
+            p.observe_plain(costs[1])
+            if (k := p.take_shadow()) > 0:
+                p.observe_shadow(k, 0, True, 4.0)
+    assert chosen[0::2] == [("ngram", 1)] + [("plain", 0)] * 9
+    assert [n for _, n in chosen[1::2]] == [1, 2, 4, 8, 16, 32, 32, 32, 32, 32]
+    assert (p.summary.ngram_steps, p.summary.ngram_drafted, p.summary.ngram_accepted) == (11, 192, 191)
+    # each class has its own record: a match of 6..15 tokens has seen nothing yet (its prior, 0.7)
+    assert p.expected_ngram_tokens(7, 20) > 7.8 and p.expected_ngram_tokens(7, 2) < 1.6
+    assert p.expected_ngram_tokens(1, 8) == pytest.approx(1.7)
+    with pytest.raises(ValueError, match="draft_policy: an n-gram step of 33 proposed, 0 accepted"):
+        p.observe_ngram(33, 0, 10.0)
 
 
 def test_the_confidence_gate_keeps_slots_while_they_pay_and_learns_a_head_that_is_wrong():

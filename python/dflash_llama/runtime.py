@@ -68,6 +68,7 @@ class Step:
     drafted: list[int]  # drafted tokens the target verified
     accepted: int  # how many of them the target agreed with
     produced: int  # tokens the step added (accepted + 1, fewer at a stop)
+    source: str = "draft"  # where `drafted` came from: "draft", "ngram" (the adaptive loop's n-gram source) or "plain"
 
 
 @dataclass
@@ -174,7 +175,7 @@ class Generation:
         """The `dflash-llama generate --json` object (`results.generation_json`). Plain decoding
         (no steps after the first token) is written as the reference writes it: one step per decode."""
         if self.steps or len(self.tokens) <= 1:
-            steps, tau = [asdict(s) for s in self.steps], self.tau
+            steps, tau = [{k: v for k, v in asdict(s).items() if k != "source"} for s in self.steps], self.tau
         else:
             steps, tau = plain_steps(len(self.tokens)), None
         extra = {} if self.policy is None else {"policy": asdict(self.policy)}
@@ -503,7 +504,7 @@ class Runtime:
         return Generation(
             tokens=list(r.tokens),
             text=self.detokenize(r.tokens),
-            steps=[Step(list(x.drafted), x.accepted, x.produced) for x in r.steps],
+            steps=[Step(list(x.drafted), x.accepted, x.produced, x.source) for x in r.steps],
             tau=r.tau,
             stop_reason=r.stop_reason,
             acceptance_by_position=list(r.acceptance_by_position),
