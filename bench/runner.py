@@ -186,7 +186,7 @@ def plan_methods(s: Settings, block_size: int, pick: int | None, draft: DraftKin
     return methods
 
 
-def _runtime_row(m: Method, g) -> dict:
+def runtime_row(m: Method, g) -> dict:
     st = g.stats
     decode_ms = st.t_total_ms - st.t_prefill_ms
     n_dec = st.n_generated - 1  # the first token comes from the prompt's logits
@@ -347,13 +347,13 @@ class Bench:
         toks = self.tokens[p.id]
         if m.key == "runtime-ar":
             g = self.rt.autoregressive(toks, s.n_predict)
-            row = _runtime_row(m, g)
+            row = runtime_row(m, g)
             row["_tokens"], row["_text"] = g.tokens, g.text
         elif m.impl == "dflash-llama":
             g = self.rt.generate(toks, s.n_predict, block_size=m.block_size,
                                  draft_max="auto" if m.adaptive else m.draft_max, ngram=m.ngram,
                                  confidence=m.confidence)
-            row = _runtime_row(m, g)
+            row = runtime_row(m, g)
             row["_tokens"], row["_text"] = g.tokens, g.text
         elif m.key == "llama-completion":
             r = peers.completion(s.target, p.text, s.n_predict, threads=s.threads, n_ctx=s.n_ctx,

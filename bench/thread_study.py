@@ -125,10 +125,10 @@ class ThreadStudy:
         return seconds_per_run * self.count_runs() * (1.5 if len(self.conditions) > 1 else 1.0)
 
     def _ours(self, rt, p: Prompt) -> dict:
-        from .runner import Method, _runtime_row
+        from .runner import Method, runtime_row
 
         g = rt.generate(self.tokens[p.id], self.s.n_predict, draft_max="auto")
-        row = _runtime_row(Method("runtime-auto", "dflash-llama", "autoregressive"), g)
+        row = runtime_row(Method("runtime-auto", "dflash-llama", "autoregressive"), g)
         return {k: row[k] for k in ("decode_tokens", "decode_ms", "tokens_per_second")} | {
             "exact": g.tokens == self.ref_tokens[p.id], "threads_used": g.threads.n_threads if g.threads else None,
             "threads": g.threads.line() if g.threads else None}
