@@ -260,21 +260,19 @@ std::string threads_line(const dflash::thread_choice & t) {
     std::ostringstream ss;
     ss.setf(std::ios::fixed);
     ss.precision(1);
+    const auto times = [&](const std::vector<double> & ms) {  // the chosen count's first, then the others'
+        for (size_t i = 0; i < t.counts.size(); ++i) {
+            if (t.counts[i] == t.n_threads) ss << " " << ms[i] << " ms";
+        }
+        for (size_t i = 0; i < t.counts.size(); ++i) {
+            if (t.counts[i] != t.n_threads) ss << " vs " << ms[i] << " ms at " << t.counts[i];
+        }
+    };
     ss << t.n_threads << " (measured";
-    for (size_t i = 0; i < t.counts.size(); ++i) {
-        if (t.counts[i] == t.n_threads) ss << " " << t.plain_ms[i] << " ms";
-    }
-    for (size_t i = 0; i < t.counts.size(); ++i) {
-        if (t.counts[i] != t.n_threads) ss << " vs " << t.plain_ms[i] << " ms at " << t.counts[i];
-    }
+    times(t.plain_ms);
     if (t.batch_rows > 0) {
         ss << "; a verify of " << t.batch_rows << ":";
-        for (size_t i = 0; i < t.counts.size(); ++i) {
-            if (t.counts[i] == t.n_threads) ss << " " << t.batch_ms[i] << " ms";
-        }
-        for (size_t i = 0; i < t.counts.size(); ++i) {
-            if (t.counts[i] != t.n_threads) ss << " vs " << t.batch_ms[i] << " ms at " << t.counts[i];
-        }
+        times(t.batch_ms);
     }
     if (t.measurements > 1) ss << "; " << t.measurements << " measurements";
     ss << ")";
