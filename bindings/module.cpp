@@ -140,10 +140,10 @@ void bind_draft_policy(nb::module_ & m) {
     nb::class_<draft_policy>(m, "DraftPolicy")
         .def(nb::init<int32_t>(), "max_draft"_a)
         .def("__init__", [](draft_policy * p, int32_t max_draft, std::vector<double> verify_ms,
-                            std::vector<double> draft_ms, bool shadow, int32_t probe_wait) {
-                 const dflash::step_costs costs{ std::move(verify_ms), std::move(draft_ms) };
+                            std::vector<double> draft_ms, bool shadow, int32_t probe_wait, double head_row_ms) {
+                 const dflash::step_costs costs{ std::move(verify_ms), std::move(draft_ms), head_row_ms };
                  new (p) draft_policy(max_draft, &costs, shadow, probe_wait);
-             }, "max_draft"_a, "verify_ms"_a, "draft_ms"_a, "shadow"_a, "probe_wait"_a = 0)
+             }, "max_draft"_a, "verify_ms"_a, "draft_ms"_a, "shadow"_a, "probe_wait"_a = 0, "head_row_ms"_a = 0.0)
         .def_prop_ro("probe_wait", &draft_policy::probe_wait)
         .def("choose", nb::overload_cast<>(&draft_policy::choose))
         .def("choose_step", [](draft_policy & p, int32_t ngram_len, int32_t match) {
@@ -151,6 +151,8 @@ void bind_draft_policy(nb::module_ & m) {
                  return nb::make_tuple(std::string(dflash::source_name(c.source)), c.n);
              }, "ngram_len"_a, "match"_a = 0)
         .def("observe_ngram", &draft_policy::observe_ngram, "m"_a, "accepted"_a, "t_verify_ms"_a)
+        .def("observe_head", &draft_policy::observe_head, "rows"_a, "t_ms"_a)
+        .def("expected_ngram_ms", &draft_policy::expected_ngram_ms, "m"_a, "match"_a = 0)
         .def("expected_ngram_tokens", &draft_policy::expected_ngram_tokens, "m"_a, "match"_a = 0)
         .def("take_shadow", &draft_policy::take_shadow)
         .def("observe_shadow", &draft_policy::observe_shadow, "n"_a, "matched"_a, "settled"_a, "t_draft_ms"_a)
@@ -222,7 +224,7 @@ void bind_generate_result(nb::module_ & m) {
 
 void engine_init(dflash::engine * self, const std::filesystem::path & target, const std::filesystem::path & draft, int32_t n_threads,
                  int32_t n_ctx, int32_t n_batch, int32_t n_gpu_layers, bool kv_f32, int32_t n_seq, bool compact_draft_head,
-                 bool verbose, bool measure_threads) {
+                 bool verbose, bool measure_threads, bool own_head) {
     dflash::engine_params p;
     p.target.path = target.string();
     p.target.n_threads = n_threads;
@@ -231,6 +233,7 @@ void engine_init(dflash::engine * self, const std::filesystem::path & target, co
     p.target.n_gpu_layers = n_gpu_layers;
     p.target.kv_f32 = kv_f32;
     p.target.n_seq = n_seq;
+    p.target.own_head = own_head;
     p.draft_path = draft.string();
     p.compact_draft_head = compact_draft_head;
     p.verbose = verbose;
@@ -276,11 +279,13 @@ void bind_engine(nb::module_ & m) {
     using prompts = std::vector<std::vector<int32_t>>;
     nb::class_<engine>(m, "Engine")
         .def("__init__", &engine_init, "target"_a, "draft"_a, "n_threads"_a, "n_ctx"_a, "n_batch"_a,
-             "n_gpu_layers"_a, "kv_f32"_a, "n_seq"_a, "compact_draft_head"_a, "verbose"_a, "measure_threads"_a = false)
+             "n_gpu_layers"_a, "kv_f32"_a, "n_seq"_a, "compact_draft_head"_a, "verbose"_a, "measure_threads"_a = false,
+             "own_head"_a = true)
         .def_prop_ro("has_draft", &engine::has_draft)
         .def_prop_ro("threads", &engine::threads)
         .def_prop_ro("compact_draft_head", [](engine & e) { return e.has_draft() && e.draft().compact_head(); })
         .def_prop_ro("n_ctx", [](engine & e) { return e.target().n_ctx(); })
+        .def_prop_ro("output_head", [](engine & e) { return std::string(e.target().head_name()); })
         .def_prop_ro("n_vocab", [](engine & e) { return e.target().n_vocab(); })
         .def_prop_ro("n_embd", [](engine & e) { return e.target().n_embd(); })
         .def_prop_ro("n_layer", [](engine & e) { return e.target().n_layer(); })
@@ -302,7 +307,7 @@ void bind_engine(nb::module_ & m) {
         .def("step_costs", [](const engine & e, int32_t block_size) -> nb::object {
                  const dflash::step_costs * c = e.measured_step_costs(block_size);
                  if (c == nullptr) return nb::none();
-                 return nb::make_tuple(c->verify, c->draft);
+                 return nb::make_tuple(c->verify, c->draft, c->head_row);
              }, "block_size"_a)
         .def("generate", &engine::generate, "prompt"_a, "params"_a, "on_tokens"_a.none() = nb::none(),
              nb::call_guard<nb::gil_scoped_release>())

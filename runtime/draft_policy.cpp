@@ -48,6 +48,7 @@ draft_policy::draft_policy(int32_t max_draft, const step_costs * costs, bool sha
     for (size_t n = 1; n < costs->draft.size() && n <= (size_t) max_draft; ++n) {
         if (costs->draft[n] > 0.0) draft_[n].add(costs->draft[n]);
     }
+    if (costs->head_row > 0.0) row_.add(costs->head_row);
     if (!verify_[1].seen || std::none_of(draft_.begin(), draft_.end(), [](const average & a) { return a.seen; })) {
         throw std::invalid_argument("draft_policy: step costs need a plain step's time and a draft forward's");
     }
@@ -112,10 +113,21 @@ double draft_policy::draft_ms(int32_t n) const {
     return verify_ms(1);
 }
 
+double draft_policy::verify_step_ms(int32_t k, double tokens) const {
+    const double t = verify_ms(k);
+    return t > 0.0 ? t + row_ms() * tokens : 0.0;
+}
+
 double draft_policy::expected_ms(int32_t n) const {
     const double t1 = verify_ms(1);
     if (t1 <= 0.0) return 0.0;
-    return n == 0 ? t1 : draft_ms(n) + verify_ms(n + 1);
+    return n == 0 ? t1 : draft_ms(n) + verify_step_ms(n + 1, expected_tokens(n));
+}
+
+double draft_policy::ngram_ms(int32_t cls, int32_t m) const { return verify_step_ms(m + 1, ngram_tokens(cls, m)); }
+
+double draft_policy::expected_ngram_ms(int32_t m, int32_t match) const {
+    return ngram_ms(match_class(match), std::min(m, kNgramMax));
 }
 
 int32_t draft_policy::best(int32_t n_min) const {
@@ -150,7 +162,7 @@ int32_t draft_policy::best_ngram(int32_t max_len, int32_t cls) const {
     int32_t pick = 1;
     double  top  = -1.0;
     for (int32_t m = 1; m <= std::min({ max_len, reach, kNgramMax }); ++m) {
-        const double ms = expected_ngram_ms(m);
+        const double ms = ngram_ms(cls, m);
         const double speed = ms > 0.0 ? ngram_tokens(cls, m) / ms : 0.0;
         if (speed > top) {
             top  = speed;
@@ -184,12 +196,13 @@ step_choice draft_policy::choose(int32_t ngram_len, int32_t match) {
         const int32_t cls = match_class(match);
         ngram_record & r = ngram_[cls];
         const int32_t m  = best_ngram(ngram_len, cls);
-        const double  ms = expected_ngram_ms(m);
+        const double  ms = ngram_ms(cls, m);
         const double rival = draft_side_speed();
         const bool faster = ms > 0.0 && ngram_tokens(cls, m) / ms > rival;
         bool could = false;  // a proposal accepted in full would be faster: worth a probe
         for (int32_t k = 1; k <= std::min(ngram_len, max_draft_) && !could; ++k) {
-            could = expected_ngram_ms(k) > 0.0 && (k + 1) / expected_ngram_ms(k) > rival;
+            const double full = verify_step_ms(k + 1, k + 1);
+            could = full > 0.0 && (k + 1) / full > rival;
         }
         if (faster || (could && r.countdown == 0)) {
             ngram_probing_ = !faster;
@@ -242,8 +255,8 @@ double draft_policy::perfect_speedup() const {
     const double plain = expected_ms(0);
     double top = 0.0;
     for (int32_t n = 1; n <= max_draft_ && plain > 0.0; ++n) {
-        const double ms = expected_ms(n);
-        if (ms > 0.0) top = std::max(top, (n + 1) * plain / ms);
+        const double ms = draft_ms(n) + verify_step_ms(n + 1, n + 1);
+        if (verify_ms(n + 1) > 0.0) top = std::max(top, (n + 1) * plain / ms);
     }
     return top;
 }
@@ -298,7 +311,7 @@ void draft_policy::observe_ngram(int32_t m, int32_t accepted, double t_verify_ms
     summary_.ngram_drafted += m;
     summary_.ngram_accepted += accepted;
     ngram_record & r = ngram_[ngram_class_];
-    if (const double ms = expected_ngram_ms(m); ms > 0.0) {
+    if (const double ms = ngram_ms(ngram_class_, m); ms > 0.0) {
         summary_.predicted_tokens += ngram_tokens(ngram_class_, m);
         summary_.predicted_ms     += ms;
     }
@@ -309,10 +322,17 @@ void draft_policy::observe_ngram(int32_t m, int32_t accepted, double t_verify_ms
     if (ngram_probing_) {
         ngram_probing_ = false;
         const int32_t best = best_ngram(kNgramMax, ngram_class_);
-        const bool pays = ngram_tokens(ngram_class_, best) / expected_ngram_ms(best) > draft_side_speed();
+        const bool pays = ngram_tokens(ngram_class_, best) / ngram_ms(ngram_class_, best) > draft_side_speed();
         r.wait = pays ? kProbeFirst : std::min(kProbeGrowth * r.wait, kProbeMax);
         r.countdown = r.wait;
     }
+}
+
+void draft_policy::observe_head(int32_t rows, double t_ms) {
+    if (rows < 1 || t_ms < 0.0) {
+        throw std::invalid_argument("draft_policy: " + std::to_string(rows) + " head rows in " + std::to_string(t_ms) + " ms");
+    }
+    row_.add(t_ms / rows);
 }
 
 void draft_policy::observe_shadow(int32_t n, int32_t matched, bool settled, double t_draft_ms) {
@@ -402,7 +422,9 @@ bool draft_policy::keep_slot(int32_t i, float c) {
         throw std::invalid_argument("draft_policy: slot " + std::to_string(i) + " of a gate over " + std::to_string(gate_n_));
     }
     const double run = gate_run_ * calibration_(c);
-    const double t_before = draft_ms(gate_n_) + verify_ms(i + 1), extra = verify_ms(i + 2) - verify_ms(i + 1);
+    // the head's rows: one per token the step is expected to produce, the slot adding `run` of them
+    const double t_before = draft_ms(gate_n_) + verify_step_ms(i + 1, gate_tokens_);
+    const double extra    = verify_ms(i + 2) - verify_ms(i + 1) + row_ms() * run;
     if (extra > 0.0 && run * t_before <= gate_tokens_ * extra) {
         summary_.confidence_cut += gate_n_ - i;
         gate_n_ = 0;

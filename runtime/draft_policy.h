@@ -44,6 +44,13 @@
 // verified slot and from shadow probes, whose slots are never cut; the summary sets what it expected
 // beside what the position estimate expected and what was accepted.
 //
+// A target whose output head we compute (output_head.h) pays it per logits row read, not per token
+// verified: a verify reads rows up to the first rejection. Then t_verify(k) is the target's decode of
+// k tokens without its head, each step adds t_row for each token it produces (E rows read), and a
+// plain step's time is its whole (decode and one row):
+//
+//   speed(N) = E(N) / (t_draft(N) + t_verify(N+1) + t_row * E(N))
+//
 // Costs are exponential averages per size; sizes not yet seen are interpolated linearly between
 // seen ones. Acceptance counts decay (by kDecay a step, plain steps too) so that they follow the text
 // and a probe after a long plain stretch is judged mostly on what it sees.
@@ -67,6 +74,7 @@ namespace dflash {
 struct step_costs {
     std::vector<double> verify;  // [k]: one target decode of k tokens (k = 1: a plain step), k = 1..
     std::vector<double> draft;   // [n]: a draft forward of n proposals with an injection, n = 1..
+    double head_row = 0.0;       // a logits row of our output head after a verify (0: in the decode)
 };
 
 // What the adaptive loop keeps between the generations of one engine (per block size): the step
@@ -162,6 +170,9 @@ public:
     void observe_draft(int32_t n, int32_t accepted, double t_draft_ms, double t_verify_ms);
     // The n-gram proposal chosen, m tokens verified (m + 1 tokens in one target decode), `accepted` of them.
     void observe_ngram(int32_t m, int32_t accepted, double t_verify_ms);
+    // After a verify whose logits our output head computed: `rows` rows in `t_ms` (t_verify_ms above
+    // is then the decode alone).
+    void observe_head(int32_t rows, double t_ms);
     // A shadow probe of n proposals: its first `matched` equal the tokens produced after it; settled:
     // proposal matched + 1 was seen to differ (or all n matched), else the sequence ended first.
     void observe_shadow(int32_t n, int32_t matched, bool settled, double t_draft_ms);
@@ -180,7 +191,7 @@ public:
     double expected_tokens(int32_t n) const;
     double expected_ms(int32_t n) const;  // 0 while the cost of n cannot be estimated yet
     double expected_ngram_tokens(int32_t m, int32_t match = 0) const;  // from a match of `match` tokens
-    double expected_ngram_ms(int32_t m) const { return verify_ms(m + 1); }
+    double expected_ngram_ms(int32_t m, int32_t match = 0) const;
     // The speed of a draft accepted in full at its best N, in units of plain decoding's (0: unknown).
     double perfect_speedup() const;
     const policy_summary & summary() const { return summary_; }
@@ -210,6 +221,10 @@ private:
     double  draft_side_speed() const;  // tokens/ms of what choose() would do now (plain, or drafting that pays)
     bool    pays(int32_t n) const;
     double  verify_ms(int32_t k) const;   // k tokens in one target decode; k = 1 is a plain step
+    double  row_ms() const { return row_.seen ? row_.value : 0.0; }
+    // a verify of k tokens expected to produce `tokens`: the decode and the head's rows
+    double  verify_step_ms(int32_t k, double tokens) const;
+    double  ngram_ms(int32_t cls, int32_t m) const;
     double  draft_ms(int32_t n) const;
     void    note_step(int32_t n);
     void    decay();
@@ -221,6 +236,7 @@ private:
     int32_t max_draft_;
     std::vector<average> verify_;   // [k], k = 1..max(max_draft, kNgramMax) + 1
     std::vector<average> draft_;    // [n], n = 1..max_draft
+    average              row_;      // a logits row of our output head (unseen: it is in the decode)
     std::vector<double>  hits_, tries_;  // decayed counts per position [j], j = 1..max_draft
     struct ngram_record {           // one class of n-gram proposals (match_class)
         std::vector<double> hits  = std::vector<double>(kNgramMax + 1, 0.0);  // [j], j = 1..kNgramMax

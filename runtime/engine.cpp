@@ -63,7 +63,7 @@ const step_costs * engine::measured_step_costs(int32_t block_size) const {
 }
 
 void engine::set_threads(int32_t n_threads) {
-    llama_set_n_threads(target_->context(), n_threads, n_threads);
+    target_->set_threads(n_threads);
     if (draft_runner_) draft_runner_->set_threads(n_threads);
     threads_.n_threads = n_threads;
 }

@@ -299,6 +299,7 @@ struct spec_loop {
             return accepted;
         }
         p.resize(n + 1);
+        target.prefetch_logits(0, n + 1);  // every row is read: one batch of the head
         for (int32_t i = 0; i <= n; ++i) probs_from_logits(target.logits(i), n_vocab, sp, p[i]);
         return rng.accept(drafted, q, p, next);
     }
@@ -317,14 +318,28 @@ struct spec_loop {
         return n_produced;
     }
 
+    // What our output head computed for the last verify (rows 0: llama.cpp's head, inside the decode).
+    struct head_use {
+        int64_t rows = 0;
+        double  ms   = 0.0;
+    } head;
+    struct head_mark {
+        const target_runner & t;
+        int64_t rows0;
+        double  ms0;
+        explicit head_mark(const target_runner & t) : t(t), rows0(t.head_rows()), ms0(t.head_ms()) {}
+        head_use since() const { return { t.head_rows() - rows0, t.head_ms() - ms0 }; }
+    };
+
     // N = 0: one target decode of `last`, no draft forward; its features wait in `pending`.
     double plain_step(const token_callback & on_tokens) {
         const auto t0 = clock_type::now();
         target.decode(&last, 1, start, /*all_logits=*/false);
+        const float * logits = target.logits(0);  // a plain step's time includes its head row
         const double t_ms = ms_since(t0);
         res.stats.t_verify_ms += t_ms;
         pending.add(target.features(), 1, feature_row);
-        const int32_t next = choose(target.logits(0), n_vocab, params.sampling, rng);
+        const int32_t next = choose(logits, n_vocab, params.sampling, rng);
         start += commit({ next }, {}, 0, step_source::plain, on_tokens);
         flush_if_full();
         return t_ms;
@@ -346,9 +361,9 @@ struct spec_loop {
         std::vector<int32_t> verify = { last };
         verify.insert(verify.end(), proposal.begin(), proposal.end());
         const auto t0 = clock_type::now();
+        const head_mark mark(target);
         target.decode(verify.data(), (int32_t) verify.size(), start, /*all_logits=*/true);
         const double t_verify = ms_since(t0);
-        res.stats.t_verify_ms += t_verify;
 
         if (!params.sampling.greedy()) {
             q.resize(proposal.size());
@@ -359,6 +374,8 @@ struct spec_loop {
         }
         int32_t next = -1;
         const int32_t accepted = accept(proposal, next);
+        head = mark.since();
+        res.stats.t_verify_ms += t_verify + head.ms;
         std::vector<int32_t> produced(proposal.begin(), proposal.begin() + accepted);
         produced.push_back(next);
         const int32_t n_produced = commit(std::move(produced), proposal, accepted, step_source::ngram, on_tokens);
@@ -419,12 +436,14 @@ struct spec_loop {
         double t_draft = ms_since(t0);
 
         t0 = clock_type::now();
+        const head_mark mark(target);
         target.decode(verify.data(), (int32_t) verify.size(), start, /*all_logits=*/true);
         const double t_verify = ms_since(t0);
 
         std::vector<int32_t> drafted(verify.begin() + 1, verify.end());
         int32_t next = -1;
         const int32_t accepted = accept(drafted, next);
+        head = mark.since();
         std::vector<int32_t> produced(drafted.begin(), drafted.begin() + accepted);
         produced.push_back(next);
         const int32_t n_produced = commit(std::move(produced), drafted, accepted, step_source::draft, on_tokens);
@@ -436,7 +455,7 @@ struct spec_loop {
         t_draft += ms_since(t0);
         start += n_produced;
         res.stats.t_draft_ms += t_draft;
-        res.stats.t_verify_ms += t_verify;
+        res.stats.t_verify_ms += t_verify + head.ms;
         return { t_draft, t_verify, (int32_t) drafted.size(), accepted };
     }
 };
@@ -489,11 +508,20 @@ step_costs measure_step_costs(target_runner & target, draft_runner & draft, int3
         draft.forward_block(tokens.data(), 2, 1, out, nullptr, 1);
         draft.crop(0);
     };
+    // a plain step with its head row; a verify's decode alone when our head computes its rows after it
     for (const int32_t k : measured_sizes(max_verify)) {
         costs.verify[k] = timed(a_draft_step, [&] {
             target.decode(tokens.data(), k, 0, /*all_logits=*/k > 1);
+            if (k == 1) target.logits(0);
             target.rollback(0);
         });
+    }
+    if (target.lazy_head()) {  // every row of a verify of the block, read in order as an accept does
+        const double t = timed([&] { a_draft_step(); target.rollback(0); target.decode(tokens.data(), max_verify, 0, true); }, [&] {
+            for (int32_t i = 0; i < max_verify; ++i) target.logits(i);
+        });
+        target.rollback(0);
+        costs.head_row = t / max_verify;
     }
     // the draft step as the loop takes it: the injection of a step's tokens (two here), then the
     // block, over a context of kContext positions (attention over it is part of the cost), then the
@@ -597,6 +625,7 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
             const auto [t_verify, accepted] =
                 loop.ngram_step(std::vector<int32_t>(proposal.tokens.begin(), proposal.tokens.begin() + n), on_tokens);
             policy.observe_ngram(n, accepted, t_verify);
+            if (loop.head.rows > 0) policy.observe_head((int32_t) loop.head.rows, loop.head.ms);
         } else if (n == 0) {
             policy.observe_plain(loop.plain_step(on_tokens));
         } else {
@@ -604,8 +633,9 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
             if (drafted > 0) {
                 if (loop.gate != nullptr) policy.observe_confidence(loop.confidences, accepted, true, false);
                 policy.observe_draft(drafted, accepted, t_draft, t_verify);
+                if (loop.head.rows > 0) policy.observe_head((int32_t) loop.head.rows, loop.head.ms);
             } else {  // a confidence head cut the whole draft: the verify was a plain decode
-                policy.observe_plain(t_verify);
+                policy.observe_plain(t_verify + loop.head.ms);
             }
             continue;
         }
@@ -663,8 +693,9 @@ generate_result generate_autoregressive(target_runner & target, const std::vecto
     while (pos + 1 < max_length && !stopped) {
         t0 = clock_type::now();
         target.decode(&last, 1, pos, false);
+        const float * logits = target.logits(0);  // our output head, where it computes it
         res.stats.t_verify_ms += ms_since(t0);
-        last = choose(target.logits(0), n_vocab, sp, rng);
+        last = choose(logits, n_vocab, sp, rng);
         res.tokens.push_back(last);
         if (on_tokens) on_tokens({ last });
         stopped = is_stop(last);

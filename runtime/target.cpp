@@ -1,6 +1,7 @@
 #include "target.h"
 
 #include "log.h"
+#include "output_head.h"
 #include "target_check.h"
 
 #include "ggml.h"
@@ -8,6 +9,7 @@
 #include "llama-ext.h"  // llama_{set,get}_embeddings_layer_inp: pinned internal API, as common/speculative.cpp uses
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
@@ -154,6 +156,8 @@ void target_runner::make_context(int32_t n_rs_seq) {
                                  (why.empty() ? std::string() : " (" + why + ")"));
     }
     set_layer_inp_outputs(true);  // a new context: the taps chosen so far
+    head_mode_ = params_.own_head ? head_mode::unknown : head_mode::llama;  // its graph's end is checked again
+    head_.reset();
 }
 
 std::string target_runner::architecture() const {
@@ -283,26 +287,111 @@ int32_t target_runner::tap_of(const char * name) const {
 
 bool target_runner::on_eval(ggml_tensor * t, bool ask, void * user_data) {
     auto * self = static_cast<target_runner *>(user_data);
-    if (self->tap_names_.empty() || !self->tap_layer_inp_.empty()) {
+    const bool taps  = !self->tap_names_.empty() && self->tap_layer_inp_.empty();
+    const bool watch = self->stop_at_norm_ || self->head_mode_ == head_mode::unknown;
+    if (!taps && !watch) {
         return ask ? false : true;
     }
     const char * name = ggml_get_name(t);
+    const bool is_norm = watch && std::strcmp(name, "result_norm") == 0;
     if (ask) {
-        return self->tap_of(name) >= 0;
+        if (self->head_mode_ == head_mode::unknown) {  // the graph's last two nodes, for the head's check
+            self->seen_prev_ = self->seen_last_;
+            self->seen_last_ = t;
+        }
+        return is_norm || (taps && self->tap_of(name) >= 0);
     }
-    for (size_t k = 0; k < self->tap_names_.size(); ++k) {  // a layer may be tapped more than once
-        if (self->tap_names_[k] != name) {
+    if (taps && !self->copy_tap(t, name)) {
+        return false;  // not the tensor we expect: abort the compute rather than read garbage
+    }
+    if (is_norm) {
+        if (t->type != GGML_TYPE_F32 || t->ne[0] != self->n_embd_ || !ggml_is_contiguous(t)) {
+            self->head_mode_ = head_mode::llama;  // not the rows our head could read
+            return !self->stop_at_norm_;
+        }
+        self->norm_rows_.resize((size_t) ggml_nelements(t));
+        ggml_backend_tensor_get(t, self->norm_rows_.data(), 0, ggml_nbytes(t));
+        if (self->stop_at_norm_) {
+            return false;  // the rest of the graph is the head: ours computes the rows read
+        }
+    }
+    return true;
+}
+
+bool target_runner::copy_tap(ggml_tensor * t, const char * name) {
+    for (size_t k = 0; k < tap_names_.size(); ++k) {  // a layer may be tapped more than once
+        if (tap_names_[k] != name) {
             continue;
         }
-        if (t->type != GGML_TYPE_F32 || t->ne[0] != self->n_embd_ || !ggml_is_contiguous(t)) {
-            return false;  // not the tensor we expect: abort the compute rather than read garbage
+        if (t->type != GGML_TYPE_F32 || t->ne[0] != n_embd_ || !ggml_is_contiguous(t)) {
+            return false;
         }
-        auto & rows = self->tap_rows_[k];
+        auto & rows = tap_rows_[k];
         const size_t old = rows.size();
         rows.resize(old + (size_t) ggml_nelements(t));
         ggml_backend_tensor_get(t, rows.data() + old, 0, ggml_nbytes(t));
     }
     return true;
+}
+
+// After a decode that ran llama.cpp's whole graph with the head unknown: ours is used when the graph
+// ends in result_output = mul_mat(W, result_norm), W in host memory, and ours computes the last kept
+// row's logits bit for bit as llama.cpp did. Otherwise llama.cpp's head, always.
+void target_runner::check_head() {
+    head_mode_ = head_mode::llama;
+    const ggml_tensor * out = seen_last_;
+    const bool shape = out != nullptr && std::strcmp(ggml_get_name(out), "result_output") == 0 &&
+                       out->op == GGML_OP_MUL_MAT && out->src[1] == seen_prev_ && seen_prev_ != nullptr &&
+                       std::strcmp(ggml_get_name(seen_prev_), "result_norm") == 0 && out->src[0] != nullptr &&
+                       out->src[0]->buffer != nullptr && ggml_backend_buffer_is_host(out->src[0]->buffer) &&
+                       ggml_is_contiguous(out->src[0]) && out->src[0]->ne[1] == n_vocab_ &&
+                       out->src[0]->ne[0] == n_embd_ && !norm_rows_.empty() && norm_rows_.size() % n_embd_ == 0;
+    seen_last_ = seen_prev_ = nullptr;
+    if (!shape || logits_.size() < (size_t) n_vocab_) {
+        return;
+    }
+    auto head = std::make_unique<output_head>(out->src[0], (int32_t) llama_n_threads(ctx_));
+    std::vector<float> ours((size_t) n_vocab_);
+    head->compute(norm_rows_.data() + norm_rows_.size() - n_embd_, 1, ours.data());
+    const float * theirs = logits_.data() + logits_.size() - n_vocab_;
+    if (std::memcmp(ours.data(), theirs, ours.size() * sizeof(float)) == 0) {
+        head_ = std::move(head);
+        head_mode_ = head_mode::ours;
+    }
+}
+
+const char * target_runner::head_name() const {
+    return head_mode_ == head_mode::ours ? "ours" : head_mode_ == head_mode::llama ? "llama.cpp" : "";
+}
+
+void target_runner::set_threads(int32_t n_threads) {
+    llama_set_n_threads(ctx_, n_threads, n_threads);
+    if (head_) head_->set_threads(n_threads);
+}
+
+void target_runner::compute_rows(int32_t i0, int32_t n) {
+    const auto t0 = std::chrono::steady_clock::now();
+    head_->compute(norm_rows_.data() + (size_t) (norm_base_ + i0) * n_embd_, n, lazy_logits_.data() + (size_t) i0 * n_vocab_);
+    std::fill(row_ready_.begin() + i0, row_ready_.begin() + i0 + n, 1);
+    head_rows_ += n;
+    head_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void target_runner::prefetch_logits(int32_t i0, int32_t n) {
+    if (!lazy_) {
+        return;
+    }
+    n = std::min(n, (int32_t) row_ready_.size() - i0);
+    while (n > 0 && row_ready_[i0]) {  // the rows not yet computed, as one batch
+        ++i0;
+        --n;
+    }
+    while (n > 0 && row_ready_[i0 + n - 1]) {
+        --n;
+    }
+    if (n > 0) {
+        compute_rows(i0, n);
+    }
 }
 
 void target_runner::decode(const int32_t * tokens, int32_t n, int32_t pos0, bool all_logits) {
@@ -318,11 +407,16 @@ void target_runner::decode(const int32_t * tokens, int32_t n, int32_t pos0, bool
     }
     logit_rows_.clear();
     logits_.clear();
+    norm_rows_.clear();
 
     if (checkpoint_) {
         save_checkpoint(tokens, n, pos0);
     }
     const bool keep_all = all_logits || needs_all_rows_;
+    // with our head, the graph stops at result_norm and logits(i) computes the rows read (with every
+    // row's logits: when they come from one chunk, its result_norm)
+    lazy_ = stop_at_norm_ = head_mode_ == head_mode::ours && (!all_logits || n <= n_batch_);
+    const bool checking = head_mode_ == head_mode::unknown;
     llama_batch batch = llama_batch_init(n_batch_, 0, 1);
     for (int32_t off = 0; off < n; off += n_batch_) {
         const int32_t n_chunk = std::min(n_batch_, n - off);
@@ -337,6 +431,7 @@ void target_runner::decode(const int32_t * tokens, int32_t n, int32_t pos0, bool
         clear_last_error();
         const int32_t rc = llama_decode(ctx_, batch);
         if (rc != 0) {
+            stop_at_norm_ = lazy_ = false;
             llama_batch_free(batch);
             const std::string why = last_error();
             throw std::runtime_error("llama_decode failed with code " + std::to_string(rc) +
@@ -345,6 +440,9 @@ void target_runner::decode(const int32_t * tokens, int32_t n, int32_t pos0, bool
         for (size_t k = 0; k < tap_layer_inp_.size(); ++k) {
             const float * rows = llama_get_embeddings_layer_inp(ctx_, (uint32_t) tap_layer_inp_[k]);
             tap_rows_[k].insert(tap_rows_[k].end(), rows, rows + (size_t) n_chunk * n_embd_);
+        }
+        if (lazy_) {
+            continue;  // logits on demand (logits(i)); llama.cpp's were not computed
         }
         // keep only the rows the caller asked for (a result_norm tap forces logits on every row)
         for (int32_t i = 0; i < n_chunk; ++i) {
@@ -356,6 +454,26 @@ void target_runner::decode(const int32_t * tokens, int32_t n, int32_t pos0, bool
         }
     }
     llama_batch_free(batch);
+    stop_at_norm_ = false;
+    if (lazy_) {
+        // the kept rows are result_norm's last: all n, or the last token's (all of a result_norm tap's)
+        const int32_t n_kept = all_logits ? n : 1;
+        const size_t  n_norm = norm_rows_.size() / n_embd_;
+        if (n_norm < (size_t) n_kept || (all_logits && n_norm != (size_t) n)) {
+            throw std::runtime_error("result_norm gave " + std::to_string(n_norm) + " rows for " + std::to_string(n_kept) +
+                                     " kept tokens");
+        }
+        norm_base_ = (int32_t) n_norm - n_kept;
+        row_ready_.assign(n_kept, 0);
+        if (lazy_logits_.size() < (size_t) n_kept * n_vocab_) {
+            lazy_logits_.resize((size_t) n_kept * n_vocab_);
+        }
+        for (int32_t i = 0; i < n_kept; ++i) {
+            logit_rows_.push_back(all_logits ? i : n - 1);
+        }
+    } else if (checking && n_seq_ == 1) {
+        check_head();
+    }
 
     const size_t n_taps = tap_names_.size();
     features_.assign((size_t) n * n_taps * n_embd_, 0.0f);
@@ -372,9 +490,25 @@ void target_runner::decode(const int32_t * tokens, int32_t n, int32_t pos0, bool
     }
 }
 
-const float * target_runner::logits(int32_t i) const {
+const float * target_runner::logits(int32_t i) {
     if (i < 0 || (size_t) i >= logit_rows_.size()) {
         throw std::out_of_range("logits row " + std::to_string(i) + " was not kept by the last decode");
+    }
+    if (lazy_) {
+        if (!row_ready_[i]) {
+            // rows 0, 1, 2-3, 4-7, ...: read in order, a verify stops at its first rejection, and
+            // rows in one batch cost less each (the weights stream once)
+            int32_t n = std::max(1, i);
+            n = std::min(n, (int32_t) row_ready_.size() - i);
+            for (int32_t k = 1; k < n; ++k) {
+                if (row_ready_[i + k]) {
+                    n = k;
+                    break;
+                }
+            }
+            compute_rows(i, n);
+        }
+        return lazy_logits_.data() + (size_t) i * n_vocab_;
     }
     return logits_.data() + (size_t) i * n_vocab_;
 }
@@ -413,6 +547,7 @@ void target_runner::decode_multi(const std::vector<int32_t> & tokens, const std:
     }
     logit_rows_.clear();
     logits_.clear();
+    lazy_ = false;
     for (int32_t i = 0; i < n; ++i) {
         if (want_logits[i]) {
             const float * row = llama_get_logits_ith(ctx_, i);

@@ -9,10 +9,13 @@
 
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace dflash {
+
+class output_head;
 
 // Why n_gpu_layers / -ngl cannot offload in a CPU-only build (every tool says it in these words).
 inline constexpr const char * kNoGpuBackend = "this build has no GPU backend (build with GGML_CUDA=ON ./setup.sh)";
@@ -25,12 +28,13 @@ struct target_params {
     int32_t n_gpu_layers = 0;
     bool    kv_f32       = false;  // f32 KV cache (parity runs); llama.cpp's default is f16
     int32_t n_seq        = 1;      // sequences decoded side by side (batched generation); n_ctx is per sequence
+    bool    own_head     = true;   // our output head where the graph allows it (output_head.h); false: llama.cpp's
 };
 
 class target_runner {
 public:
     explicit target_runner(const target_params & params);
-    ~target_runner();
+    ~target_runner();  // out of line: output_head is incomplete here
     target_runner(const target_runner &) = delete;
     target_runner & operator=(const target_runner &) = delete;
 
@@ -42,8 +46,20 @@ public:
     // features() afterwards. Throws std::runtime_error if llama_decode fails.
     void decode(const int32_t * tokens, int32_t n, int32_t pos0, bool all_logits);
 
-    // Logits of token i of the last decode (i counts tokens with logits, in order).
-    const float * logits(int32_t i) const;
+    // Logits of token i of the last decode (i counts tokens with logits, in order). After a verify
+    // (all_logits, more than one token) they are computed on demand by our output head
+    // (output_head.h), where the target's graph allows it: read the rows in order and stop early.
+    const float * logits(int32_t i);
+    // Computes the rows i0..i0+n-1 not yet computed in one batch (sampling reads them all).
+    void prefetch_logits(int32_t i0, int32_t n);
+    // Whether decodes leave the head to us (known after the first decode), and the rows it computed
+    // and the time it took so far.
+    bool    lazy_head() const { return head_ != nullptr; }
+    // "ours", "llama.cpp", or "" before the first decode has shown which
+    const char * head_name() const;
+    double  head_ms()   const { return head_ms_; }
+    int64_t head_rows() const { return head_rows_; }
+    void   set_threads(int32_t n_threads);
 
     // One decode of tokens from several sequences (n_seq > 1); logits(i) then gives the i-th token
     // with want_logits set. Capture is switched off. Throws std::runtime_error if llama_decode fails.
@@ -83,6 +99,9 @@ public:
 
 private:
     static bool on_eval(struct ggml_tensor * t, bool ask, void * user_data);
+    bool copy_tap(ggml_tensor * t, const char * name);
+    void check_head();
+    void compute_rows(int32_t i0, int32_t n);
     [[noreturn]] void vocab_error(const char * what, const std::exception & e) const;
     int32_t tap_of(const char * name) const;
     void make_context(int32_t n_rs_seq);  // (re)creates ctx_ from params_
@@ -114,6 +133,21 @@ private:
     std::vector<float>       features_;
     std::vector<int32_t>     logit_rows_;   // decode-local index of each kept logit row
     std::vector<float>       logits_;       // kept logits, [n_kept, n_vocab]
+
+    // the output head (output_head.h): unknown until the first decode has shown the graph's end
+    enum class head_mode { unknown, ours, llama };
+    head_mode                    head_mode_ = head_mode::unknown;
+    std::unique_ptr<output_head> head_;
+    bool                 stop_at_norm_ = false;  // this decode: stop the graph after result_norm
+    bool                 lazy_ = false;          // the last decode left its logits to our head
+    const ggml_tensor *  seen_prev_ = nullptr;   // the graph's last two nodes (the head's check)
+    const ggml_tensor *  seen_last_ = nullptr;
+    std::vector<float>   norm_rows_;             // result_norm of the last decode's kept rows
+    std::vector<char>    row_ready_;             // per row of a lazy decode: computed
+    std::vector<float>   lazy_logits_;           // [n, n_vocab], grown only
+    int32_t              norm_base_ = 0;          // norm_rows_ row of logits row 0
+    double               head_ms_ = 0.0;
+    int64_t              head_rows_ = 0;
 };
 
 } // namespace dflash

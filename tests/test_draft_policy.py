@@ -109,6 +109,21 @@ def test_expected_tokens_from_decayed_acceptance_counts():
     assert p.expected_tokens(3) == pytest.approx(1 + c1 + c1 * c2 + c1 * c2 * c2)
 
 
+def test_our_head_is_paid_per_row_read():
+    """With our output head a verify's decode stops before the head, and each step pays a row per token
+    it produces (a verify reads rows up to its first rejection), not per token verified."""
+    p = _core.DraftPolicy(3, verify_ms=[0.0, 10.0, 8.0, 9.0, 10.0], draft_ms=[0.0, 2.0, 2.0, 2.0], shadow=True,
+                          head_row_ms=3.0)
+    for n in (1, 3):
+        assert p.expected_ms(n) == pytest.approx(2.0 + [8.0, 9.0, 10.0][n - 1] + 3.0 * p.expected_tokens(n))
+    assert p.expected_ngram_ms(2, 20) == pytest.approx(9.0 + 3.0 * p.expected_ngram_tokens(2, 20))
+    assert p.expected_ms(0) == 10.0  # a plain step: its decode and its row, as measured
+    p.observe_head(4, 4.0)  # 1 ms a row: the average moves by kCostWeight
+    assert p.expected_ngram_ms(2, 20) == pytest.approx(9.0 + (3.0 - 0.2 * 2.0) * p.expected_ngram_tokens(2, 20))
+    with pytest.raises(ValueError, match=r"^draft_policy: 0 head rows in 1\.000000 ms$"):
+        p.observe_head(0, 1.0)
+
+
 def test_bad_values_are_refused():
     with pytest.raises(ValueError, match="the adaptive loop needs a block of at least 2 tokens, got a draft of 0"):
         _core.DraftPolicy(0)

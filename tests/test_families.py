@@ -135,6 +135,22 @@ def test_the_target_is_its_family(pair):
     assert pair.rt.block_size == 16 and pair.rt.target_layer_ids == [1, 2]
 
 
+# families whose graph ends in one matmul of the final norm: our output head computes their logits
+OWN_HEAD = {"qwen3", "llama", "qwen3moe", "gpt-oss", "gemma3", "qwen35", "qwen35moe"}
+
+
+def test_our_output_head_computes_llama_cpps_logits(pair):
+    """Our output head (runtime/output_head.h) where the family's graph allows it: its logits are
+    llama.cpp's bit for bit, after a batched decode (as a verify) and one token at a time."""
+    tokens = pair.rt.tokenize(PROMPTS[0] + " " + OTHER_PROMPTS[0])
+    theirs = dflash_llama.Runtime(pair.target, n_threads=1, n_ctx=512, n_batch=64, own_head=False)
+    assert theirs.output_head == "llama.cpp"
+    batched, stepped = theirs.target_logits(tokens), theirs.target_logits(tokens, one_at_a_time=True, n_prefill=3)
+    assert np.array_equal(pair.rt.target_logits(tokens), batched)
+    assert np.array_equal(pair.rt.target_logits(tokens, one_at_a_time=True, n_prefill=3), stepped)
+    assert pair.rt.output_head == ("ours" if pair.family in OWN_HEAD else "llama.cpp")
+
+
 def test_the_reference_reads_the_target_gguf(pair):
     """What the trainer and parity read of a GGUF target; a MoE target's FFN width is its shared
     expert's, else one expert's (Qwen3.5 MoE has no feed_forward_length: was a TypeError)."""

@@ -282,7 +282,8 @@ class Stream:
 class Runtime:
     def __init__(self, target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
                  n_threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512, n_gpu_layers: int = 0,
-                 kv_f32: bool = False, n_seq: int = 1, compact_draft_head: bool = True, verbose: bool = False):
+                 kv_f32: bool = False, n_seq: int = 1, compact_draft_head: bool = True, verbose: bool = False,
+                 own_head: bool = True):
         """n_threads: CPU threads (0 or -1: all); None (default): measured before the first generation, the
         fastest of 1, 2 and all for a plain decode and (with a draft) a verify of its block, and again when
         decoding slows down.
@@ -290,7 +291,11 @@ class Runtime:
         n_seq: sequences `autoregressive_batch` decodes side by side (n_ctx is per sequence).
         compact_draft_head: the draft proposes through a Q4_0 copy of the target's output head (made at
         load, when the target's is larger): a cheaper draft step, the same exact output. False: the
-        target's own head, as the reference computes it (for comparisons of drafted tokens)."""
+        target's own head, as the reference computes it (for comparisons of drafted tokens).
+        own_head: compute the target's output head ourselves, for the logits rows a step reads (a verify
+        stops at its first rejection), where its graph ends in one matmul of its final norm and our
+        logits equal llama.cpp's bit for bit (checked at the first decode); else llama.cpp's.
+        False: always llama.cpp's (for comparisons)."""
         try:
             from . import _core
         except ImportError as e:
@@ -301,7 +306,7 @@ class Runtime:
                                     c_int("n_threads", 0 if n_threads is None else n_threads), c_int("n_ctx", n_ctx),
                                     c_int("n_batch", n_batch), c_int("n_gpu_layers", n_gpu_layers), bool(kv_f32),
                                     c_int("n_seq", n_seq), bool(compact_draft_head), bool(verbose),
-                                    measure_threads=n_threads is None)
+                                    measure_threads=n_threads is None, own_head=bool(own_head))
         self._core = _core
         self._compute = _compute_thread()  # every graph of every Runtime runs there, one job at a time
 
@@ -309,6 +314,12 @@ class Runtime:
     @property
     def has_draft(self) -> bool:
         return self._engine.has_draft
+
+    @property
+    def output_head(self) -> str | None:
+        """Whose output head computes the target's logits: "ours" (output_head.h), "llama.cpp", or None
+        before the first decode has shown which."""
+        return self._engine.output_head or None
 
     @property
     def compact_draft_head(self) -> bool:
@@ -402,14 +413,16 @@ class Runtime:
     def step_costs(self, block_size: int | None = None) -> dict | None:
         """What the adaptive loop measured on this machine before its first generation at this block
         size (default: the draft's): `verify_ms[k]`, one target decode of k tokens (k = 1: a plain
-        step), and `draft_ms[n]`, a draft step of n proposals (a block of n + 1 positions, with the
-        injection of a step's two tokens); 0.0 for sizes it interpolates. None before that generation."""
+        step), `draft_ms[n]`, a draft step of n proposals (a block of n + 1 positions, with the
+        injection of a step's two tokens), 0.0 for sizes it interpolates; and `head_row_ms`, a logits
+        row of the runtime's own output head after a verify (0.0 where llama.cpp's head computes
+        every row inside the decode, which verify_ms then includes). None before that generation."""
         bs = self.block_size if block_size is None else c_int("block_size", block_size)
         costs = self._compute.call(lambda: self._engine.step_costs(bs))
         if costs is None:
             return None
-        verify, draft = costs
-        return {"block_size": bs, "verify_ms": list(verify), "draft_ms": list(draft)}
+        verify, draft, head_row = costs
+        return {"block_size": bs, "verify_ms": list(verify), "draft_ms": list(draft), "head_row_ms": head_row}
 
     def autoregressive(self, prompt: str | bytes | Sequence[int], max_new_tokens: int = 128, *,
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
