@@ -1,12 +1,12 @@
-// The target's output head, computed by us for the rows a verify reads. A verify of k tokens needs
+// The target's output head, computed by us for the rows a step reads. A verify of k tokens needs
 // the logits of row i only while rows 0..i-1 were accepted; llama.cpp computes all k (the head is a
 // large part of a step: 28M of SmolLM2-135M's 135M weights, 168M of Gemma 3 270M's 268M). Where
 // the target's graph ends in one matmul of its final norm (result_output = W x result_norm), the
-// target stops its graph after result_norm on a verify and this head computes row i on demand.
+// target stops every decode's graph after result_norm and this head computes rows on demand.
 //
-// Exactness: the same ggml CPU op on the same weights and the same rows computes each logit as
-// llama.cpp's graph does (a matmul's row results do not depend on how many rows share it); the
-// target checks that once, bit for bit, against llama.cpp's own logits before using it.
+// Exactness: each logit is one call of ggml's own vec_dot for the weight type on the row quantized by
+// that type's from_float, the arithmetic of ggml's matmul (whose row results do not depend on how
+// many rows share it); the target checks once, bit for bit, against llama.cpp's own logits.
 #pragma once
 
 #include "ggml.h"
@@ -32,7 +32,6 @@ public:
 
     int64_t n_embd()  const { return weight_->ne[0]; }
     int64_t n_vocab() const { return weight_->ne[1]; }
-    const ggml_tensor * weight() const { return weight_; }
 
 private:
     static void run(ggml_tensor * dst, int ith, int nth, void * userdata);

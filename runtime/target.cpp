@@ -369,7 +369,23 @@ void target_runner::set_threads(int32_t n_threads) {
     if (head_) head_->set_threads(n_threads);
 }
 
-void target_runner::compute_rows(int32_t i0, int32_t n) {
+// The rows not yet computed of i0..i0+n-1, from the first missing one to the next computed one, in one
+// batch of the head.
+void target_runner::compute_missing(int32_t i0, int32_t n) {
+    n = std::min(n, (int32_t) row_ready_.size() - i0);
+    while (n > 0 && row_ready_[i0]) {
+        ++i0;
+        --n;
+    }
+    for (int32_t k = 1; k < n; ++k) {
+        if (row_ready_[i0 + k]) {
+            n = k;
+            break;
+        }
+    }
+    if (n <= 0) {
+        return;
+    }
     const auto t0 = std::chrono::steady_clock::now();
     head_->compute(norm_rows_.data() + (size_t) (norm_base_ + i0) * n_embd_, n, lazy_logits_.data() + (size_t) i0 * n_vocab_);
     std::fill(row_ready_.begin() + i0, row_ready_.begin() + i0 + n, 1);
@@ -378,19 +394,8 @@ void target_runner::compute_rows(int32_t i0, int32_t n) {
 }
 
 void target_runner::prefetch_logits(int32_t i0, int32_t n) {
-    if (!lazy_) {
-        return;
-    }
-    n = std::min(n, (int32_t) row_ready_.size() - i0);
-    while (n > 0 && row_ready_[i0]) {  // the rows not yet computed, as one batch
-        ++i0;
-        --n;
-    }
-    while (n > 0 && row_ready_[i0 + n - 1]) {
-        --n;
-    }
-    if (n > 0) {
-        compute_rows(i0, n);
+    if (lazy_) {
+        compute_missing(i0, n);
     }
 }
 
@@ -498,15 +503,7 @@ const float * target_runner::logits(int32_t i) {
         if (!row_ready_[i]) {
             // rows 0, 1, 2-3, 4-7, ...: read in order, a verify stops at its first rejection, and
             // rows in one batch cost less each (the weights stream once)
-            int32_t n = std::max(1, i);
-            n = std::min(n, (int32_t) row_ready_.size() - i);
-            for (int32_t k = 1; k < n; ++k) {
-                if (row_ready_[i + k]) {
-                    n = k;
-                    break;
-                }
-            }
-            compute_rows(i, n);
+            compute_missing(i, std::max(1, i));
         }
         return lazy_logits_.data() + (size_t) i * n_vocab_;
     }

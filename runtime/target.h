@@ -46,9 +46,9 @@ public:
     // features() afterwards. Throws std::runtime_error if llama_decode fails.
     void decode(const int32_t * tokens, int32_t n, int32_t pos0, bool all_logits);
 
-    // Logits of token i of the last decode (i counts tokens with logits, in order). After a verify
-    // (all_logits, more than one token) they are computed on demand by our output head
-    // (output_head.h), where the target's graph allows it: read the rows in order and stop early.
+    // Logits of token i of the last decode (i counts tokens with logits, in order). Where the target's
+    // graph allows it they are computed on demand by our output head (output_head.h): read the rows
+    // in order and stop early.
     const float * logits(int32_t i);
     // Computes the rows i0..i0+n-1 not yet computed in one batch (sampling reads them all).
     void prefetch_logits(int32_t i0, int32_t n);
@@ -101,7 +101,7 @@ private:
     static bool on_eval(struct ggml_tensor * t, bool ask, void * user_data);
     bool copy_tap(ggml_tensor * t, const char * name);
     void check_head();
-    void compute_rows(int32_t i0, int32_t n);
+    void compute_missing(int32_t i0, int32_t n);
     [[noreturn]] void vocab_error(const char * what, const std::exception & e) const;
     int32_t tap_of(const char * name) const;
     void make_context(int32_t n_rs_seq);  // (re)creates ctx_ from params_
