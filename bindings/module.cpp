@@ -140,10 +140,11 @@ void bind_draft_policy(nb::module_ & m) {
     nb::class_<draft_policy>(m, "DraftPolicy")
         .def(nb::init<int32_t>(), "max_draft"_a)
         .def("__init__", [](draft_policy * p, int32_t max_draft, std::vector<double> verify_ms,
-                            std::vector<double> draft_ms, bool shadow, int32_t probe_wait, double head_row_ms) {
+                            std::vector<double> draft_ms, bool shadow, double head_row_ms) {
                  const dflash::step_costs costs{ std::move(verify_ms), std::move(draft_ms), head_row_ms };
-                 new (p) draft_policy(max_draft, &costs, shadow, probe_wait);
-             }, "max_draft"_a, "verify_ms"_a, "draft_ms"_a, "shadow"_a, "probe_wait"_a = 0, "head_row_ms"_a = 0.0)
+                 new (p) draft_policy(max_draft, &costs, shadow);
+             }, "max_draft"_a, "verify_ms"_a, "draft_ms"_a, "shadow"_a, "head_row_ms"_a = 0.0)
+        .def("resume", &draft_policy::resume, "earlier"_a)
         .def_prop_ro("probe_wait", &draft_policy::probe_wait)
         .def("choose", nb::overload_cast<>(&draft_policy::choose))
         .def("choose_step", [](draft_policy & p, int32_t ngram_len, int32_t match) {
@@ -309,6 +310,7 @@ void bind_engine(nb::module_ & m) {
                  if (c == nullptr) return nb::none();
                  return nb::make_tuple(c->verify, c->draft, c->head_row);
              }, "block_size"_a)
+        .def("forget_policy", &engine::forget_policy)
         .def("generate", &engine::generate, "prompt"_a, "params"_a, "on_tokens"_a.none() = nb::none(),
              nb::call_guard<nb::gil_scoped_release>())
         .def("autoregressive", &engine::autoregressive, "prompt"_a, "params"_a, "on_tokens"_a.none() = nb::none(),

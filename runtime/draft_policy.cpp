@@ -27,19 +27,14 @@ void draft_policy::average::add(double x) {
     seen  = true;
 }
 
-draft_policy::draft_policy(int32_t max_draft, const step_costs * costs, bool shadow, int32_t probe_wait)
+draft_policy::draft_policy(int32_t max_draft, const step_costs * costs, bool shadow)
     : max_draft_(max_draft), verify_(std::max(max_draft, kNgramMax) + 2), draft_(max_draft + 1), hits_(max_draft + 1, 0.0),
       tries_(max_draft + 1, 0.0), shadow_(shadow) {
     if (max_draft < 1) {
         throw std::invalid_argument("the adaptive loop needs a block of at least 2 tokens, got a draft of " +
                                     std::to_string(max_draft));
     }
-    if (probe_wait < 0 || probe_wait > kProbeMax) {
-        throw std::invalid_argument("draft_policy: a wait of " + std::to_string(probe_wait) + " steps between probes (0.." +
-                                    std::to_string(kProbeMax) + ")");
-    }
     if (costs == nullptr) {
-        interval_ = probe_wait > 0 ? probe_wait : kProbeFirst;
         return;
     }
     for (size_t k = 1; k < costs->verify.size() && k <= (size_t) max_draft + 1; ++k) {
@@ -53,8 +48,26 @@ draft_policy::draft_policy(int32_t max_draft, const step_costs * costs, bool sha
         throw std::invalid_argument("draft_policy: step costs need a plain step's time and a draft forward's");
     }
     plain_mode_ = true;  // start plain and probe at once: the costs are known, acceptance is not;
-    // that opening probe failing waits kProbeFirst steps, or kProbeGrowth times what was learned
-    interval_ = probe_wait > 0 ? probe_wait : kProbeFirst / kProbeGrowth;
+    // that opening probe failing waits kProbeFirst steps
+    interval_ = kProbeFirst / kProbeGrowth;
+}
+
+void draft_policy::resume(const draft_policy & earlier) {
+    if (earlier.max_draft_ != max_draft_) {
+        throw std::invalid_argument("draft_policy: resuming a policy of " + std::to_string(earlier.max_draft_) +
+                                    " drafted tokens as one of " + std::to_string(max_draft_));
+    }
+    verify_      = earlier.verify_;
+    draft_       = earlier.draft_;
+    row_         = earlier.row_;
+    hits_        = earlier.hits_;
+    tries_       = earlier.tries_;
+    std::copy(std::begin(earlier.ngram_), std::end(earlier.ngram_), std::begin(ngram_));
+    calibration_ = earlier.calibration_;
+    plain_mode_  = earlier.plain_mode_;
+    probed_      = earlier.probed_;
+    interval_    = earlier.interval_;
+    countdown_   = earlier.probing_ ? 0 : earlier.countdown_;  // a probe never scored: ask again
 }
 
 // E(n) = 1 + sum_{i<=n} prod_{j<=i} c_j, each c_j the decayed hit rate of position j pulled towards
@@ -223,10 +236,10 @@ int32_t draft_policy::choose() {
         n = std::min(kFirstDraft, max_draft_);  // the second measures drafting
     } else if (plain_mode_ && (countdown_ > 0 || probing_)) {
         countdown_ -= countdown_ > 0 ? 1 : 0;  // a shadow probe being scored: wait for its outcome
-    } else if (plain_mode_ && summary_.probes > 0 && perfect_speedup() <= 1.0 + kSwitchMargin) {
+    } else if (plain_mode_ && probed_ && perfect_speedup() <= 1.0 + kSwitchMargin) {
         countdown_ = kProbeMax - 1;  // no draft could pay: look again only once the costs may have moved
     } else if (plain_mode_) {
-        probing_ = true;
+        probing_ = probed_ = true;
         ++summary_.probes;
         if (shadow_) {
             ++summary_.shadow_probes;

@@ -10,9 +10,15 @@
 // When plain decoding wins it stays plain, and re-probes drafting after 16, 64, 256 plain steps: the
 // wait grows by kProbeGrowth after each probe that does not pay (by kSwitchMargin) and starts again
 // at 16 when one does. When not even a draft accepted in full could beat plain decoding by
-// kSwitchMargin at any N, there is no probe after a generation's first: drafting cannot pay on this
-// machine and target, whatever the text (the first keeps the draft's cost measured in the real
-// context, and keeps the loop's drafting path in use).
+// kSwitchMargin at any N, there is no probe after the first: drafting cannot pay on this machine and
+// target, whatever the text (the first keeps the draft's cost measured in the real context, and
+// keeps the loop's drafting path in use).
+//
+// What one generation learned carries on to the next of the same engine and block size (`resume`,
+// policy_memory): the costs as it kept them, every acceptance record and the probe schedule. A draft
+// or an n-gram class that did not pay waits out its wait across generations, instead of being probed
+// again at the start of each (a probe costs a draft forward or a verify, a large share of a short
+// generation); acceptance decays by kDecay a step, so a new text soon speaks for itself.
 //
 // A second proposal source: an n-gram continuation of the text so far (ngram.h), when there is one.
 // It costs no draft forward, only a verify of m + 1 tokens, and has its own acceptance by position:
@@ -66,6 +72,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace dflash {
@@ -75,15 +82,6 @@ struct step_costs {
     std::vector<double> verify;  // [k]: one target decode of k tokens (k = 1: a plain step), k = 1..
     std::vector<double> draft;   // [n]: a draft forward of n proposals with an injection, n = 1..
     double head_row = 0.0;       // a logits row of our output head after a verify (0: in the decode)
-};
-
-// What the adaptive loop keeps between the generations of one engine (per block size): the step
-// costs, measured before the first, and the wait between probes as the last one left it, so that a
-// draft that did not pay on the texts so far is probed once at the start of the next (its own text
-// may differ), then as rarely as it was.
-struct policy_memory {
-    step_costs costs;        // empty: not measured yet
-    int32_t    probe_wait = 0;  // plain steps between probes that do not pay; 0: none learned yet
 };
 
 // Where the tokens a step verifies after the last one come from.
@@ -151,10 +149,13 @@ private:
 class draft_policy {
 public:
     // costs: measured step costs to start from (nullptr: learn them in the first steps); shadow:
-    // probe with unverified draft forwards (greedy decoding only); probe_wait: the wait an earlier
-    // generation left (policy_memory; 0: the first wait, kProbeFirst).
-    explicit draft_policy(int32_t max_draft, const step_costs * costs = nullptr, bool shadow = false,
-                          int32_t probe_wait = 0);
+    // probe with unverified draft forwards (greedy decoding only).
+    explicit draft_policy(int32_t max_draft, const step_costs * costs = nullptr, bool shadow = false);
+
+    // Go on from what an earlier generation's policy (same max_draft) learned: its costs, acceptance
+    // records, confidence calibration and probe schedule; a probe it left under way is asked for again.
+    // This generation's summary starts empty.
+    void resume(const draft_policy & earlier);
 
     // N for the next step, 0..max_draft (the caller may cut it near the end of the sequence).
     int32_t choose();
@@ -195,7 +196,7 @@ public:
     // The speed of a draft accepted in full at its best N, in units of plain decoding's (0: unknown).
     double perfect_speedup() const;
     const policy_summary & summary() const { return summary_; }
-    int32_t probe_wait() const { return interval_; }  // for policy_memory
+    int32_t probe_wait() const { return interval_; }  // plain steps from one probe of drafting to the next
 
     static constexpr double  kDecay        = 0.95;
     static constexpr double  kCostWeight   = 0.2;  // weight of a new time in its average
@@ -247,6 +248,7 @@ private:
     };
     ngram_record ngram_[3];
     bool    plain_mode_ = false;
+    bool    probed_     = false;   // drafting was probed at least once (this or an earlier generation)
     bool    probing_    = false;
     bool    shadow_     = false;
     int32_t shadow_n_   = 0;   // a shadow probe asked for, not yet taken
@@ -259,6 +261,13 @@ private:
     double  gate_run_ = 1.0;    // slots kept so far, and their expected tokens (1 + sum of the chain)
     double  gate_tokens_ = 1.0;
     policy_summary summary_;
+};
+
+// What the adaptive loop keeps between the generations of one engine (per block size): the step
+// costs, measured before the first, and the policy as the last generation left it (resume).
+struct policy_memory {
+    step_costs                  costs;    // empty: not measured yet
+    std::optional<draft_policy> learned;  // none: no generation yet
 };
 
 } // namespace dflash

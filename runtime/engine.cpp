@@ -56,10 +56,14 @@ const draft_hparams & engine::hparams() const {
 
 // The adaptive loop starts from step costs measured once per block size (the first adaptive
 // generation pays for it, as llama.cpp's warm-up decode at load; its time is in the policy summary)
-// and from the probe wait the last generation of that size left.
+// and from what the last generation of that size learned (draft_policy::resume).
 const step_costs * engine::measured_step_costs(int32_t block_size) const {
     const auto it = policy_memory_.find(block_size);
     return it == policy_memory_.end() || it->second.costs.verify.empty() ? nullptr : &it->second.costs;
+}
+
+void engine::forget_policy() {
+    for (auto & [block, memory] : policy_memory_) memory.learned.reset();
 }
 
 void engine::set_threads(int32_t n_threads) {
@@ -123,7 +127,7 @@ void engine::check_drift(double plain_ms, int32_t n_plain) {
     const size_t i = std::find(threads_.counts.begin(), threads_.counts.end(), threads_.n_threads) - threads_.counts.begin();
     if (i < threads_.plain_ms.size() && plain_ms > kDrift * threads_.plain_ms[i]) {
         threads_due_ = true;
-        for (auto & [block, memory] : policy_memory_) memory.costs = step_costs{};  // measured at the old count
+        for (auto & [block, memory] : policy_memory_) memory = policy_memory{};  // learned at the old count
     }
 }
 

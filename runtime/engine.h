@@ -46,6 +46,9 @@ public:
     // The step costs the adaptive loop measured for a block size (at its first generation of that
     // size); nullptr before.
     const step_costs * measured_step_costs(int32_t block_size) const;
+    // Drop what the adaptive loop learned from earlier generations (acceptance, probe waits, costs as
+    // it kept them): the next starts as a new engine's first would, from the measured step costs.
+    void forget_policy();
 
     // Plain decoding of many prompts side by side (needs target.n_seq > 1 for any gain).
     std::vector<generate_result> autoregressive_batch(const std::vector<std::vector<int32_t>> & prompts,

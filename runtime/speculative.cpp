@@ -165,9 +165,11 @@ bool cut_at_stop(std::vector<int32_t> & produced, const stop_rule & is_stop) {
 namespace {
 
 // Features of tokens decoded by plain steps, injected into the draft cache only when a step drafts
-// again (or when kMaxRows pile up): a run of plain steps costs no draft work at all.
+// again (or when kMaxBytes of them pile up, at least kMinRows rows): a run of plain steps costs no
+// draft work at all, and a generation that never drafts never injects.
 struct pending_features {
-    static constexpr int32_t kMaxRows = 256;
+    static constexpr size_t  kMaxBytes = 32u << 20;
+    static constexpr int32_t kMinRows  = 256;
     std::vector<float> rows;
     int32_t n = 0;
 
@@ -175,6 +177,9 @@ struct pending_features {
     void add(const std::vector<float> & features, int32_t n_rows, size_t row) {
         rows.insert(rows.end(), features.begin(), features.begin() + (size_t) n_rows * row);
         n += n_rows;
+    }
+    bool full(size_t row) const {
+        return n >= kMinRows && (size_t) n * row * sizeof(float) >= kMaxBytes;
     }
     void flush(draft_runner & draft) {
         if (n == 0) return;
@@ -346,7 +351,7 @@ struct spec_loop {
     }
 
     void flush_if_full() {
-        if (pending.n >= pending_features::kMaxRows) {
+        if (pending.full(feature_row)) {
             const auto t0 = clock_type::now();
             pending.flush(draft);
             res.stats.t_draft_ms += ms_since(t0);
@@ -587,7 +592,7 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
     res.stats.t_prefill_ms = ms_since(t0);
     // the prompt's features wait like a plain step's: a generation that never drafts never injects
     loop.pending.add(target.features(), (int32_t) prompt.size(), loop.feature_row);
-    if (loop.pending.n >= pending_features::kMaxRows || !params.adaptive) {
+    if (loop.pending.full(loop.feature_row) || !params.adaptive) {
         t0 = clock_type::now();
         loop.pending.flush(draft);
         res.stats.t_draft_ms += ms_since(t0);
@@ -599,8 +604,8 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
     loop.start = (int32_t) prompt.size();
 
     // shadow probes score proposals against plain decoding's tokens: sound for greedy output only
-    draft_policy policy(draft_max, known, known != nullptr && params.sampling.greedy(),
-                        memory != nullptr ? memory->probe_wait : 0);
+    draft_policy policy(draft_max, known, known != nullptr && params.sampling.greedy());
+    if (memory != nullptr && params.adaptive && memory->learned) policy.resume(*memory->learned);
     if (params.adaptive && params.ngram.value_or(true)) {
         loop.ngrams.emplace();
         loop.ngrams->add(prompt);
@@ -657,7 +662,7 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
     res.policy = policy.summary();
     res.policy.calibration_ms = calibration_ms;
     res.policy.plain_ms = policy.expected_ms(0);
-    if (memory != nullptr && params.adaptive) memory->probe_wait = policy.probe_wait();
+    if (memory != nullptr && params.adaptive) memory->learned = policy;
 
     res.stats.n_generated = (int32_t) res.tokens.size();
     res.stop_reason = stop_reason_for(loop.start + 1, max_length, loop.stopped, prompt, params);

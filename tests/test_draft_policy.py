@@ -183,15 +183,23 @@ def test_with_measured_costs_it_starts_plain_and_probes_in_the_shadow_at_once():
     assert (s.probes, s.shadow_probes, s.draft_steps, s.plain_steps) == (3, 3, 0, 200)
 
 
-def test_a_later_generation_opens_with_one_probe_then_waits_as_long_as_the_last_one_left_off():
+def test_a_later_generation_goes_on_where_the_last_one_left_off():
+    def run(policy, steps):
+        return drive_shadow(policy, steps, matched=lambda n: 0, t_plain=10.0, t_draft=4.0,
+                            t_verify=lambda k: 10.0 + 8.0 * k)
+
+    whole = run(_core.DraftPolicy(7, shadow=True, **COSTS_DEAR_VERIFY), 428)
+    # probes at 0, 17, 82, 339: waits of 16, 64, 256 plain steps after each probe that did not pay
+    assert [i for i, n in enumerate(whole) if n < 0] == [0, 17, 82, 339]
     first = _core.DraftPolicy(7, shadow=True, **COSTS_DEAR_VERIFY)
-    drive_shadow(first, 128, matched=lambda n: 0, t_plain=10.0, t_draft=4.0, t_verify=lambda k: 10.0 + 8.0 * k)
-    assert first.summary.probes == 3 and first.probe_wait == 256  # probes at 0, 17, 82: waits 16, 64, 256
-    later = _core.DraftPolicy(7, shadow=True, probe_wait=first.probe_wait, **COSTS_DEAR_VERIFY)
-    chosen = drive_shadow(later, 300, matched=lambda n: 0, t_plain=10.0, t_draft=4.0, t_verify=lambda k: 10.0 + 8.0 * k)
-    assert [i for i, n in enumerate(chosen) if n < 0] == [0, 257]
-    with pytest.raises(ValueError, match=r"draft_policy: a wait of 257 steps between probes \(0..256\)"):
-        _core.DraftPolicy(7, shadow=True, probe_wait=257, **COSTS_DEAR_VERIFY)
+    assert run(first, 128) == whole[:128] and first.probe_wait == 256
+    later = _core.DraftPolicy(7, shadow=True, **COSTS_DEAR_VERIFY)
+    later.resume(first)
+    # no probe at the start of the second generation: it waits out the first one's wait
+    assert run(later, 300) == whole[128:]
+    assert later.summary.probes == 1 and first.summary.probes == 3
+    with pytest.raises(ValueError, match=r"draft_policy: resuming a policy of 7 drafted tokens as one of 3"):
+        _core.DraftPolicy(3, shadow=True, **COSTS_CHEAP_VERIFY).resume(first)
 
 
 def test_a_shadow_probe_that_would_have_paid_starts_drafting():

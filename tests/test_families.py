@@ -175,6 +175,7 @@ def test_greedy_dflash_equals_plain_decoding(pair):
         ar = pair.plain(prompt)
         assert len(set(ar.tokens)) > 1, f"{pair.family}: prompt {i} repeats one token"  # a live target
         for block in BLOCK_SIZES:
+            pair.rt.forget_policy()  # each opens as a first generation: probing the draft, every n-gram class
             spec = pair.rt.generate(prompt, N_NEW, block_size=block, draft_max=draft_max, ngram=ngram)
             where = f"{pair.family}: prompt {i}, block {block}, draft_max {draft_max}, ngram {ngram}"
             assert_same(spec, ar, where)

@@ -66,8 +66,9 @@ def test_generation_record(rt):
 
 @pytest.mark.parametrize("n_new", [24, 3])
 def test_adaptive_generation_record(rt, n_new):
-    """What the policy reports is the steps taken; greedy, it opens plain with a shadow probe (with 3
-    tokens one of a single proposal: all the room there is)."""
+    """What the policy reports is the steps taken; greedy, a first generation opens plain with a shadow
+    probe (with 3 tokens one of a single proposal: all the room there is)."""
+    rt.forget_policy()  # as a new Runtime's first generation (the fixture's has decoded before)
     out = rt.generate("def fibonacci(n):", n_new, ngram=False)  # draft_max="auto" by default
     p = out.policy
     assert isinstance(p, dflash_llama.runtime.Policy)
@@ -146,7 +147,9 @@ def test_step_costs_are_measured_once_per_block_size(tiny_target_gguf, tiny_draf
     assert rt.generate("def f(x):", 6, block_size=4).policy.calibration_ms > 0  # another block, other costs
     assert rt.step_costs(4)["block_size"] == 4 and rt.step_costs() == costs
     assert rt.generate("def f(x):", 6, draft_max=None).policy is None  # a fixed length measures nothing
+    rt.forget_policy()  # what the greedy generations learned (their probe waits) is dropped; the costs stay
     sampled = rt.generate("def f(x):", 12, temperature=1.0, seed=1).policy
+    assert sampled.calibration_ms == 0
     assert sampled.shadow_probes == 0 and sampled.draft_steps >= 1  # sampling probes with verified drafts
 
 

@@ -61,6 +61,8 @@ def test_tiny_pair_fifty_prompts_all_block_sizes(tiny_runtime, draft_max):
     for i, prompt in enumerate(prompts):
         block = 2 + i % 15  # block sizes 2..16
         ar = tiny_runtime.autoregressive(prompt, 24)
+        if draft_max == "auto":
+            tiny_runtime.forget_policy()  # each opens as a first generation: probing the draft
         spec = tiny_runtime.generate(prompt, 24, block_size=block, draft_max=draft_max)
         assert_same(spec, ar, f"prompt {i}, block {block}, draft_max {draft_max}")
         assert all(len(s.drafted) <= (block - 1 if s.source == "draft" else NGRAM_MAX) for s in spec.steps)
@@ -282,6 +284,7 @@ def test_sampling_with_ngram_proposals_is_lossless(tiny_target_gguf, tiny_draft_
     rt = dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=1, n_ctx=256)
     counts, ngram_steps, accepted = collections.Counter(), 0, 0
     for seed in range(2000):
+        rt.forget_policy()  # each generation opens with its n-gram proposal's probe, as a first one does
         g = rt.generate(prompt, 2, temperature=1.0, top_k=k, seed=seed)
         counts[tuple(g.tokens)] += 1
         ngram_steps += g.policy.ngram_steps

@@ -410,6 +410,13 @@ class Runtime:
         params.confidence = None if confidence is None else bool(confidence)
         return self._run(self._engine.generate, prompt, params, stream)
 
+    def forget_policy(self) -> None:
+        """The adaptive loop carries what it learned from one generation to the next of this Runtime
+        (per block size: acceptance by position and by n-gram class, its costs as it kept them, the
+        waits between probes). This drops it: the next generation starts as a new Runtime's first
+        would (the step costs measured before the first generation are kept)."""
+        self._compute.call(self._engine.forget_policy)
+
     def step_costs(self, block_size: int | None = None) -> dict | None:
         """What the adaptive loop measured on this machine before its first generation at this block
         size (default: the draft's): `verify_ms[k]`, one target decode of k tokens (k = 1: a plain
