@@ -388,9 +388,32 @@ class Bench:
             for m in methods[shift:] + methods[:shift]:
                 results[m.key] = self.run_method(m, p)
                 self.progress(1, f"{p.id} {m.key}")
+            self._equal_lengths(p, methods, results)
             self.ref_tokens[p.id] = results["runtime-ar"]["_tokens"]
             rows += self._compare(p, methods, results)
         return rows
+
+    def _equal_lengths(self, p: Prompt, methods: list[Method], results: dict[str, dict]) -> None:
+        """llama-speculative-simple stops only once it has passed -n, and some of its drafters draft
+        their whole n_max near the end (the pin's ngram-mod ignores the room left: up to 64 tokens past
+        -n), so its speed counts tokens ours never decodes, the last ones its cheapest. Where a llama.cpp
+        row decoded more than one token past -n, our default loop decodes the prompt again to that
+        length (once per length), for the comparison of the two at equal length."""
+        default = next((m for m in methods if m.key == "runtime-auto"), None)
+        if default is None:
+            return
+        done: dict[int, tuple] = {}
+        for m in methods:
+            r = results[m.key]
+            n = r.get("n_tokens") or 0
+            if m.impl != "llama.cpp" or n <= self.s.n_predict + 1:
+                continue
+            if n not in done:
+                self.retotal(1)
+                g = self.rt.generate(self.tokens[p.id], n, block_size=default.block_size, draft_max="auto")
+                done[n] = (g.tokens, runtime_row(default, g))
+                self.progress(1, f"{p.id} runtime-auto at {n} tokens")
+            r["_equal_length"] = done[n]
 
     @staticmethod
     def _compare(p: Prompt, methods: list[Method], results: dict[str, dict]) -> list[dict]:
@@ -428,6 +451,11 @@ class Bench:
                    "first_difference_unit": unit if diff is not None else None,
                    "same_text_as_llama_completion": bool(same_as_lc)}
             row.update({k: v for k, v in r.items() if not k.startswith("_")})
+            if "_equal_length" in r:  # our default loop at this row's length: its speed, and its exactness
+                tokens, ours = r["_equal_length"]
+                row["default_loop_at_this_length"] = {
+                    k: ours[k] for k in ("n_tokens", "decode_tokens", "decode_ms", "tokens_per_second")}
+                row["default_loop_at_this_length"]["exact"] = tokens[:len(ar["_tokens"])] == ar["_tokens"]
             out.append(row)
         # the references' texts, for readers who want to look (and the server's exactness)
         out.append({"prompt": p.id, "method": "_texts", "runtime_ar_text": ar["_text"],
@@ -657,11 +685,19 @@ def ratios(rows: list[dict], methods: list[Method], block_size: int) -> list[dic
     """The ratios the report promises, from rows of this run: over all tokens and the median of per-prompt ratios."""
     keys = {m.key for m in methods}
 
-    def pair(a: str, b: str, what: str) -> dict | None:
+    def pair(a: str, b: str, what: str, equal_length: bool = False) -> dict | None:
+        """equal_length: where a row of b decoded past -n, a's speed at b's length (our default loop)."""
         if a not in keys or b not in keys:
             return None
-        ra = {r["prompt"]: r for r in rows if r["method"] == a}
         rb = {r["prompt"]: r for r in rows if r["method"] == b}
+        ra = {r["prompt"]: r for r in rows if r["method"] == a}
+        if equal_length:
+            longer = {p: r["default_loop_at_this_length"] for p, r in rb.items() if "default_loop_at_this_length" in r}
+            if not longer:
+                return None  # no row of b went past -n: the plain ratio says it all
+            ra.update((p, r) for p, r in longer.items() if p in ra)
+            inexact = sum(not r["exact"] for r in longer.values())
+            what += f" ({len(longer)} of {len(rb)} prompts past -n{f'; {inexact} NOT EXACT' if inexact else ''})"
         tot = lambda rs: 1000.0 * sum(r["decode_tokens"] for r in rs) / sum(r["decode_ms"] for r in rs)  # noqa: E731
         per = [ra[p]["tokens_per_second"] / rb[p]["tokens_per_second"] for p in ra
                if ra[p]["tokens_per_second"] and rb[p]["tokens_per_second"]]
@@ -694,6 +730,9 @@ def ratios(rows: list[dict], methods: list[Method], block_size: int) -> list[dic
         if best is not None:
             out.append(pair("runtime-auto", best.key, f"our default loop / the fastest llama.cpp mode"
                                                       f"{' of the stock build' if stock else ''} ({best.label})"))
+            out.append(pair("runtime-auto", best.key, f"our default loop / the fastest llama.cpp mode"
+                                                      f"{' of the stock build' if stock else ''} ({best.label}), "
+                                                      "at equal length", equal_length=True))
     out.append(pair("runtime-auto", "runtime-auto-no-confidence",
                     "our default loop / the same without its confidence gate"))
     out.append(pair("stock-spec-ar", "llama-spec-ar", "stock build / built like ours, no drafts"))

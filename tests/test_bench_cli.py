@@ -162,6 +162,59 @@ def test_summary_and_ratios_come_from_the_rows(bench_run):
     assert {m["key"] for m in theirs} >= {"chain-b2", "ngram-mod", "native-b4", "llama-completion"}
     r = ratios[f"our default loop / the fastest llama.cpp mode ({best['label']})"]
     assert r["ratio"] == pytest.approx(speed("runtime-auto") / speed(best["key"]))
+    # the tools stopped within one token of -n here: no equal-length runs, no equal-length ratio
+    assert all(r["n_tokens"] <= 13 for r in rows if r.get("impl") == "llama.cpp")
+    assert not any("default_loop_at_this_length" in r for r in rows)
+    assert not any(w.endswith("prompts past -n)") for w in ratios)
+
+
+def test_a_tool_that_decodes_past_n_is_met_at_equal_length(tiny_target_gguf, tiny_draft_gguf):
+    """llama-speculative-simple decodes past -n when its drafter ignores the room left (the pin's
+    ngram-mod: up to 64 tokens): our default loop decodes the prompt again to that length, exact, and
+    the equal-length ratio uses it for those prompts."""
+    import types
+
+    from dflash_llama import Runtime
+    from dflash_llama.bench.runner import Bench, Method, ratios
+
+    rt = Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=1, n_ctx=256)
+    p = types.SimpleNamespace(id="p0", text="def f(x):")
+    methods = [Method("runtime-ar", "dflash-llama", "autoregressive"),
+               Method("llama-completion", "llama.cpp", "autoregressive"),
+               Method("runtime-auto", "dflash-llama", "dflash", block_size=rt.block_size, adaptive=True),
+               Method("ngram-mod", "llama.cpp", "ngram", spec_type="ngram-mod")]
+    runs = []
+    runner = types.SimpleNamespace(s=types.SimpleNamespace(n_predict=12), rt=rt, tokens={"p0": rt.tokenize(p.text)},
+                                   retotal=lambda extra: runs.append(extra), progress=lambda n, what: None)
+    ar = rt.autoregressive(p.text, 12)
+    results = {"runtime-ar": {"n_tokens": 12, "_tokens": ar.tokens},
+               "llama-completion": {"n_tokens": 12}, "runtime-auto": {"n_tokens": 12},
+               "ngram-mod": {"n_tokens": 40}}
+    Bench._equal_lengths(runner, p, methods, results)
+    assert runs == [1] and set(results) == {"runtime-ar", "llama-completion", "runtime-auto", "ngram-mod"}
+    tokens, row = results["ngram-mod"]["_equal_length"]
+    assert len(tokens) == row["n_tokens"] == 40 and tokens == rt.autoregressive(p.text, 40).tokens
+    assert "_equal_length" not in results["llama-completion"]
+
+    def rows(prompt, ours_tps, theirs_tps, longer=None):
+        out = [{"prompt": prompt, "method": "runtime-auto", "decode_tokens": 11, "decode_ms": 11000 / ours_tps,
+                "tokens_per_second": ours_tps},
+               {"prompt": prompt, "method": "ngram-mod", "decode_tokens": 39 if longer else 12,
+                "decode_ms": (39 if longer else 12) * 1000 / theirs_tps, "tokens_per_second": theirs_tps}]
+        if longer:
+            out[1]["default_loop_at_this_length"] = {"decode_tokens": 39, "decode_ms": 39000 / longer,
+                                                     "tokens_per_second": longer, "exact": True}
+        return out
+
+    synthetic = rows("a", 100.0, 100.0) + rows("b", 100.0, 200.0, longer=160.0)
+    by = {r["what"]: r for r in ratios(synthetic, methods[2:], rt.block_size)}
+    label = methods[3].label
+    plain = by[f"our default loop / the fastest llama.cpp mode ({label})"]
+    equal = by[f"our default loop / the fastest llama.cpp mode ({label}), at equal length (1 of 2 prompts past -n)"]
+    assert plain["median_prompt_ratio"] == pytest.approx((1.0 + 0.5) / 2)
+    assert equal["median_prompt_ratio"] == pytest.approx((1.0 + 0.8) / 2)
+    # over all tokens: ours 11 + 39 tokens in 110 + 243.75 ms, theirs 12 + 39 in 120 + 195 ms
+    assert equal["ratio"] == pytest.approx((50 / 353.75) / (51 / 315.0))
 
 
 def test_cost_model(bench_run):
