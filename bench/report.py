@@ -262,8 +262,8 @@ def render(res: dict, command: str, plots: list[str]) -> str:
         add("## The adaptive loop (`--draft-max auto`, the default)\n")
         add("Each step verifies the N drafted tokens (0 = a plain decode, no draft forward) of the highest "
             "expected speed, from step costs measured once per run and acceptance it measures as it goes; from "
-            "plain mode it re-probes drafting after 16, 64, 256 plain steps (once at the start of each later "
-            "generation, then as rarely as the last one left off), greedy with an unverified draft that the plain "
+            "plain mode it re-probes drafting after 16, 64, 256 plain steps (the schedule, with all it learned, "
+            "carries on from one generation to the next), greedy with an unverified draft that the plain "
             "steps after it score (`runtime/draft_policy.h`).\n")
         add("With its n-gram source (the default) a step may instead verify a continuation of the text so far "
             "found earlier in it (no draft forward), when that is expected to be faster (`runtime/ngram.h`).\n")
