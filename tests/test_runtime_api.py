@@ -155,6 +155,7 @@ def test_step_costs_are_measured_once_per_block_size(tiny_target_gguf, tiny_draf
 
 def test_trace_draft_names_and_shapes(rt):
     tokens = rt.tokenize("def fibonacci(n):")
+    rt.forget_policy()  # as a first generation (the fixture's have decoded before)
     gen = rt.generate(tokens, 2 + rt.block_size)
     feats = rt.capture(tokens)
     block = [gen.tokens[0]] + [rt.mask_token_id] * (rt.block_size - 1)  # the generation's first block
