@@ -472,7 +472,9 @@ class Runtime:
     def trace_draft(self, features: np.ndarray, block: Sequence[int]) -> dict[str, np.ndarray]:
         """Every named draft intermediate (float32, NumPy order) for context `features`
         ([n_ctx_tokens, n_taps * n_embd], at positions 0..) and a `block` at the next positions.
-        `result_output` is the raw head output of every block position: [B, n_vocab]. A DFlash 2
+        `result_output` is the raw head output of every block position: [B, n_vocab], through the target's
+        own head (as the reference computes it; generation with `compact_draft_head` proposes through its
+        Q4_0 copy, so its drafts may differ where logits are close). A DFlash 2
         draft adds its convolutions' (`attn_conv_dyn-N` [B, 2*K*groups], `attn_conv_in-N`,
         `attn_conv_out-N`, `ffn_conv_*-N` [B, n_embd]) and its selector's greedy walk from `block[0]`
         over the n = B - 1 drafted slots: `selector_gate` [n, rank], `selector_unary` and
