@@ -282,4 +282,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"dflash-llama bench: error: {len(inexact)} speculative rows of our runtime differ from plain greedy "
               f"decoding (first: {label} on {prompt}, at {where})", file=sys.stderr)
         return EXIT_INEXACT
+    failure = res.get("settings", {}).get("stopped_by_failure")
+    if failure:
+        print(f"dflash-llama bench: error: {failure} (the report holds the {len(res['settings']['prompts'])} of "
+              f"{res['settings']['prompts_planned']} prompts measured before it)", file=sys.stderr)
+        return 1
     return 0

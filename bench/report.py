@@ -175,6 +175,9 @@ def render(res: dict, command: str, plots: list[str]) -> str:
     budget = s.get("budget_min")
     add(f"- started {meta['started']}; the whole command took {meta['command_wall_s'] / 60:.1f} min"
         + (f" (budget {budget:g} min)" if budget else ""))
+    if s.get("stopped_by_failure"):
+        add(f"- **{s['stopped_by_failure']}: the run stopped after {len(s['prompts'])} of {s['prompts_planned']} "
+            f"prompts** (every method ran on each of them; no serving phase or thread study)")
     if s.get("stopped_by_budget"):
         add(f"- **the time budget stopped the run after {len(s['prompts'])} of {s['prompts_planned']} prompts** "
             f"(every method ran on each of them)")

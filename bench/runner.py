@@ -255,6 +255,7 @@ class Bench:
             raise ValueError(f"prompt {too_long[0][0]} has {too_long[0][1]} tokens: with -n {s.n_predict} it does "
                              f"not fit the context of {s.n_ctx} tokens (raise --ctx-size)")
         self.ref_tokens: dict[str, list[int]] = {}  # our plain decoding's tokens per prompt (main loop)
+        self.peer_failure: str | None = None  # a llama.cpp tool that failed and stopped the main loop
         self._stock_exe: Path | None = None
         self._patched = None  # patchbuild.Build of llama-server, once made
 
@@ -377,7 +378,9 @@ class Bench:
     def main_loop(self, methods: list[Method], fits: Callable[[list[dict], float], bool] = lambda rows, t: True
                   ) -> list[dict]:
         """Every method on every prompt, interleaved; stops early when `fits(rows, seconds per prompt)`
-        says the next prompt would not fit the time budget."""
+        says the next prompt would not fit the time budget, or when a llama.cpp tool fails (`peer_failure`
+        says which, on what; the prompts before it are kept, the one it failed on is dropped, and the
+        failure is raised when there is none before it)."""
         rows = []
         t0 = time.monotonic()
         for i, p in enumerate(self.s.prompts):
@@ -386,7 +389,15 @@ class Bench:
             shift = i % len(methods)
             results = {}
             for m in methods[shift:] + methods[:shift]:
-                results[m.key] = self.run_method(m, p)
+                try:
+                    results[m.key] = self.run_method(m, p)
+                except peers.PeerError as e:
+                    if not rows:
+                        raise
+                    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+                    what = " ".join(lines[:1] + lines[1:][-1:])  # the error and the last line of the tool's log
+                    self.peer_failure = f"{m.label} failed on {p.id}: {what}"
+                    return rows
                 self.progress(1, f"{p.id} {m.key}")
             self._equal_lengths(p, methods, results)
             self.ref_tokens[p.id] = results["runtime-ar"]["_tokens"]
@@ -554,9 +565,13 @@ class Bench:
             if s.server:
                 self.retotal(len(s.server_concurrency) *
                              (min(s.server_prompts, n_done) - min(s.server_prompts, len(s.prompts))))
-        srv = self.server_phase(self.server_n_max(rows, methods), texts) if s.server else None
+        if self.peer_failure:  # neither the serving phase nor the thread study will run
+            self.retotal(-len(s.server_concurrency) * min(s.server_prompts, n_done) if s.server else 0)
+            self.retotal(-self.thread_study(s.prompts, {}).count_runs() if s.thread_study else 0)
+        # after a tool's failure the report is written with what was measured, nothing more is run
+        srv = self.server_phase(self.server_n_max(rows, methods), texts) if s.server and not self.peer_failure else None
         done = [p for p in s.prompts if p.id in texts]
-        if s.thread_study:
+        if s.thread_study and not self.peer_failure:
             study = self.thread_study(done, texts)
             self.retotal(study.count_runs() - self.thread_study(s.prompts, {}).count_runs())
             threads = study.run()
@@ -590,7 +605,8 @@ class Bench:
                                       "loadavg_end": _loadavg()},
             "settings": {"target": s.target, "draft": s.draft, "n_predict": s.n_predict, "block_sizes": s.block_sizes,
                          "prompts_planned": len(s.prompts),
-                         "stopped_by_budget": n_done < len(s.prompts), "server_prompts": s.server_prompts,
+                         "stopped_by_budget": n_done < len(s.prompts) and not self.peer_failure,
+                         "stopped_by_failure": self.peer_failure, "server_prompts": s.server_prompts,
                          "draft_block_size": self.block_size, "draft_max": s.draft_max, "threads": s.threads,
                          "n_ctx": s.n_ctx, "ngram_types": s.ngram_types, "native": s.native,
                          "stock_build": s.stock, "patched_server": s.patched_server,

@@ -284,6 +284,43 @@ def test_time_budget_stops_taking_prompts(tiny_target_gguf, tiny_draft_gguf, tmp
     assert "**the time budget stopped the run after 1 of 3 prompts**" in (out / "bench.md").read_text()
 
 
+def test_a_tool_that_fails_stops_the_run_and_loses_nothing(tiny_target_gguf, tiny_draft_gguf, tmp_path, monkeypatch,
+                                                           capsys):
+    """llama-completion failing on the second prompt: the report holds the first (every method ran on it),
+    says what failed, and the command exits 1 with one line; failing on the first, nothing to report."""
+    from dflash_llama import peers
+
+    real = peers.completion
+
+    def completion(target, prompt, *args, **kwargs):
+        if calls.append(prompt) or len(calls) > fail_after:
+            raise peers.PeerError("llama-completion exited with -6:\nGGML_ASSERT(...) failed")
+        return real(target, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(peers, "completion", completion)
+    common = ["bench", "--target", str(tiny_target_gguf), "--draft", str(tiny_draft_gguf), "--limit", "3", "-n", "8",
+              "-t", "1", "--block-sizes", "2", "--ngram-types", "none", "--no-native", "--pilot-prompts", "1",
+              "--calibration-tokens", "4", "--server-concurrency", "1"]
+    calls, fail_after = [], 1
+    out = tmp_path / "failed"
+    assert cli.main(common + ["--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    failure = "llama-completion failed on HumanEval/82: llama-completion exited with -6: GGML_ASSERT(...) failed"
+    assert err.splitlines()[-1] == (f"dflash-llama bench: error: {failure} (the report holds the 1 of 3 prompts "
+                                    "measured before it)")
+    res = json.loads((out / "bench.json").read_text())
+    assert res["settings"]["stopped_by_failure"] == failure
+    assert res["settings"]["stopped_by_budget"] is False and res["server"] is None
+    assert {r["prompt"] for r in res["rows"]} == {"HumanEval/0"} and all(r["exact"] for r in res["rows"])
+    assert "the run stopped after 1 of 3 prompts" in (out / "bench.md").read_text()
+
+    calls, fail_after = [], 0
+    assert cli.main(common + ["--out", str(tmp_path / "nothing")]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == ("dflash-llama bench: error: llama-completion exited with -6: "
+                                                        "GGML_ASSERT(...) failed")
+    assert not (tmp_path / "nothing").exists()
+
+
 def test_reports_name_no_machine_folders(tmp_path, monkeypatch):
     import sysconfig
     from pathlib import Path
