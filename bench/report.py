@@ -218,8 +218,9 @@ def render(res: dict, command: str, plots: list[str]) -> str:
         add(f"| {r['what']} | {_f(r['ratio'], 3)} | {_f(r['median_prompt_ratio'], 3)} |")
     add("")
     if any(r["what"].endswith("prompts past -n)") for r in res["ratios"]):
-        add("**At equal length**: llama-speculative-simple stops only once it has passed -n, and a drafter that "
-            "ignores the room left (the pin's ngram-mod drafts up to 64 tokens) decodes far past it, so its speed "
+        add("**At equal length**: llama-speculative-simple stops only once it has passed -n, and at its last "
+            "step, asked for a draft of 0 tokens, the pin drafts without limit (it reads a budget of 0 as none: "
+            "ngram-mod drafts 64), so it can decode far past -n and its speed "
             "counts tokens ours never decodes, the last ones its cheapest. On those prompts our default loop "
             "decoded the prompt again to the tool's length (exact: its first -n tokens are our plain decoding's), "
             "and the equal-length ratio compares the two over the same tokens.\n")
