@@ -408,8 +408,8 @@ class Bench:
         """llama-speculative-simple stops only once it has passed -n, and at its last step, asked for a
         draft of 0 tokens, the pin drafts without limit (a budget of 0 reads as none: ngram-mod drafts up
         to 64 tokens past -n), so its speed counts tokens ours never decodes, the last ones its cheapest.
-        Where a llama.cpp row decoded more than one token past -n, our default loop decodes the prompt again to that
-        length (once per length), for the comparison of the two at equal length."""
+        Where a llama.cpp row decoded more than one token past -n, our default loop decodes the prompt
+        again to that length (once per length), for the comparison of the two at equal length."""
         default = next((m for m in methods if m.key == "runtime-auto"), None)
         if default is None:
             return
