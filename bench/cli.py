@@ -69,8 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--native", action=argparse.BooleanOptionalAction,
                    help="run llama.cpp's native DFlash (default: on; off with --target-types)")
     p.add_argument("--stock-build", action="store_true",
-                   help="with --native, also run llama.cpp's native DFlash from a stock build of the pin "
-                        "(llamafile's sgemm on, as llama.cpp builds by default; made once from our build, cached)")
+                   help="also run llama-speculative-simple from a stock build of the pin (llamafile's sgemm on, "
+                        "as llama.cpp builds by default; made once from our build, cached): without drafts, "
+                        "with each --ngram-types mode, and with --native its native DFlash")
     p.add_argument("--patched", action="store_true",
                    help="run the serving phase's llama-server from the pinned llama.cpp with patches/series "
                         "applied (docs/upstream_status.md; built once from our build, cached)")
@@ -177,9 +178,9 @@ def _check(args: argparse.Namespace) -> list[str]:
     if args.thread_study and not args.full_bench:
         raise ValueError("--thread-study runs on the benchmark's prompts after its main loop: not with "
                          "--target-types alone (add --native)")
-    if args.stock_build and not args.native:
-        raise ValueError("--stock-build runs llama.cpp's native DFlash: it needs --native "
-                         "(off with --target-types unless asked)")
+    if args.stock_build and not args.full_bench:
+        raise ValueError("--stock-build runs beside the benchmark's main loop: not with --target-types alone "
+                         "(add --native)")
     if args.patched and not args.server:
         raise ValueError("--patched runs the serving phase on the patched llama-server: it needs --server "
                          "(off with --target-types unless asked)")

@@ -16,8 +16,9 @@ Methods (each a row per prompt):
   for a DSpark draft, K for an anchor-first one, whose block of K drafts K);
 - `chain-b{K}` (with `ngram-mod` among the n-gram types): llama.cpp's chained drafters,
   `--spec-type ngram-mod,draft-dflash` (the first that proposes wins) at `--spec-draft-n-max K-1`;
-- `stock-b{K}`, `stock-spec-ar` (`--stock-build`): the same from a stock build of the pin (ggml-cpu
-  with llamafile's sgemm, as llama.cpp builds it by default: `dflash_llama.toolbuild.stock_tool`);
+- `stock-spec-ar`, `stock-b{K}` (with native DFlash), `stock-ngram-*` (`--stock-build`): the same from a
+  stock build of the pin (ggml-cpu with llamafile's sgemm, as llama.cpp builds it by default:
+  `dflash_llama.toolbuild.stock_tool`);
 - `ngram-*`: llama.cpp's n-gram speculation, draft-free, with the tool's default settings.
 
 For every prompt the methods run in an order rotated by one place from the previous prompt, so
@@ -89,7 +90,7 @@ class Method:
         if self.key == "stock-spec-ar":
             return "llama-speculative-simple, no drafts, stock build"
         if self.kind == "ngram":
-            return f"llama.cpp {self.spec_type}"
+            return f"llama.cpp {self.spec_type}{', stock build' if self.stock else ''}"
         who = "dflash-llama" if self.impl == "dflash-llama" else "llama.cpp native"
         if self.adaptive:
             return (f"{who} DFlash B={self.block_size}, adaptive{', no n-gram' if self.ngram is False else ''}"
@@ -114,7 +115,7 @@ class Settings:
     n_ctx: int
     ngram_types: list[str]
     native: bool = True
-    stock: bool = False  # native DFlash from a stock build of the pin as well (needs native)
+    stock: bool = False  # llama-speculative-simple's rows from a stock build of the pin as well
     server: bool = True
     server_concurrency: list[int] = field(default_factory=lambda: [1, 2, 4])
     server_prompts: int = 8  # benchmark prompts sent at each concurrency level
@@ -174,12 +175,15 @@ def plan_methods(s: Settings, block_size: int, pick: int | None, draft: DraftKin
     if s.native:
         methods += [Method(f"native-b{k}", "llama.cpp", "dflash", block_size=k, spec_type=draft.native_type,
                            anchor_first=af) for k in native_sizes]
-    if s.native and s.stock:  # the same from a stock build, with its own no-draft reference
+    if s.stock:  # llama-speculative-simple from a stock build, with its own no-draft reference
         methods.append(Method("stock-spec-ar", "llama.cpp", "autoregressive", spec_type="ngram-simple", stock=True))
-        methods += [Method(f"stock-b{k}", "llama.cpp", "dflash", block_size=k, spec_type=draft.native_type,
-                           stock=True, anchor_first=af) for k in native_sizes]
+        if s.native:
+            methods += [Method(f"stock-b{k}", "llama.cpp", "dflash", block_size=k, spec_type=draft.native_type,
+                               stock=True, anchor_first=af) for k in native_sizes]
     for t in s.ngram_types:
         methods.append(Method(t, "llama.cpp", "ngram", spec_type=t))
+    if s.stock:
+        methods += [Method(f"stock-{t}", "llama.cpp", "ngram", spec_type=t, stock=True) for t in s.ngram_types]
     if s.native and CHAINED_NGRAM in s.ngram_types:
         methods += [Method(f"chain-b{k}", "llama.cpp", "dflash", block_size=k,
                            spec_type=f"{CHAINED_NGRAM},{draft.native_type}", anchor_first=af) for k in native_sizes]
@@ -534,7 +538,7 @@ class Bench:
         s = self.s
         t0 = time.time()
         load_start = _loadavg()
-        if self.s.native and self.s.stock:
+        if self.s.stock:
             self.stock_exe()  # a failing build fails before anything is measured
         if self.s.server and self.s.patched_server:
             self.patched_server()

@@ -336,10 +336,16 @@ def test_reports_name_no_machine_folders(tmp_path, monkeypatch):
     assert display_path("/nonexistent-root/x") == "/nonexistent-root/x"
 
 
-def test_stock_build_rows_and_ratios(tiny_target_gguf, tiny_draft_gguf, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def stock_cache(tmp_path_factory):
+    """One cache for the tests that make the stock build (it is made once there)."""
+    return tmp_path_factory.mktemp("stock-cache")
+
+
+def test_stock_build_rows_and_ratios(tiny_target_gguf, tiny_draft_gguf, tmp_path, monkeypatch, stock_cache):
     """--stock-build: native DFlash from a stock build of the pin beside the one built like ours, each
     judged against its own tool without drafts, with the ratios of our runtime to it."""
-    monkeypatch.setenv("DFLASH_LLAMA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DFLASH_LLAMA_CACHE", str(stock_cache))
     out = tmp_path / "stock"
     rc = cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tiny_draft_gguf), "--limit", "1",
                    "-n", "8", "-t", "1", "--block-sizes", "2,4", "--ngram-types", "none", "--stock-build",
@@ -364,10 +370,37 @@ def test_stock_build_rows_and_ratios(tiny_target_gguf, tiny_draft_gguf, tmp_path
     assert "| llama.cpp native DFlash B=2, stock build |" in (out / "bench.md").read_text()
 
 
-def test_stock_build_needs_native(capsys, tiny_target_gguf, tiny_draft_gguf):
-    assert cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tiny_draft_gguf),
-                     "--stock-build", "--no-native"]) == 2
-    assert "--stock-build runs llama.cpp's native DFlash: it needs --native" in capsys.readouterr().err
+def test_stock_build_without_native_dflash_runs_its_ngram_modes(tiny_target_gguf, tiny_draft_gguf, tmp_path,
+                                                                 monkeypatch, capsys, stock_cache):
+    """A target whose native DFlash cannot run (gemma3 in the pin) still meets the stock build: its
+    llama-speculative-simple without drafts and with each n-gram mode, judged against its own no-draft
+    text, and the fastest of them in the ratio of our default loop to the stock build's fastest mode."""
+    monkeypatch.setenv("DFLASH_LLAMA_CACHE", str(stock_cache))
+    out = tmp_path / "stock"
+    rc = cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tiny_draft_gguf), "--limit", "1",
+                   "-n", "8", "-t", "1", "--block-sizes", "2", "--ngram-types", "ngram-mod", "--no-native",
+                   "--stock-build", "--no-server", "--pilot-prompts", "1", "--calibration-tokens", "4",
+                   "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "bench.json").read_text())
+    keys = [m["key"] for m in res["methods"]]
+    assert keys[-3:] == ["stock-spec-ar", "ngram-mod", "stock-ngram-mod"] and "stock-b2" not in keys
+    rows = {r["method"]: r for r in res["rows"]}
+    assert all(rows[k]["exact"] is True for k in keys)
+    assert rows["stock-ngram-mod"]["exact_against"] == "stock-spec-ar"
+    assert "stock-tools" in rows["stock-ngram-mod"]["tool"] and "stock-tools" not in rows["ngram-mod"]["tool"]
+    speed = lambda k: rows[k]["tokens_per_second"]  # noqa: E731 (one prompt: over all tokens = per prompt)
+    best = max(["stock-spec-ar", "stock-ngram-mod"], key=speed)
+    label = {"stock-spec-ar": "llama-speculative-simple, no drafts, stock build",
+             "stock-ngram-mod": "llama.cpp ngram-mod, stock build"}[best]
+    ratios = {r["what"]: r for r in res["ratios"]}
+    ratio = ratios[f"our default loop / the fastest llama.cpp mode of the stock build ({label})"]
+    assert ratio["ratio"] == pytest.approx(speed("runtime-auto") / speed(best))
+    assert "| llama.cpp ngram-mod, stock build |" in (out / "bench.md").read_text()
+    # with --target-types alone there is no main loop to run it beside
+    assert cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tiny_draft_gguf), "--target-types",
+                     "q8_0", "--stock-build"]) == 2
+    assert "--stock-build runs beside the benchmark's main loop" in capsys.readouterr().err
 
 
 def test_a_dspark_draft_is_benched_with_and_without_its_confidence_gate(tiny_target_hf, tiny_target_gguf, tmp_path,
