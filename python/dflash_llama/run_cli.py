@@ -29,9 +29,9 @@ from .converter.pair import DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB, DEFAULT_DRAFT
 from .results import first_mismatch
 
 # Code to complete, its body begun: given a closed docstring, SmolLM2-135M-Instruct closes a code fence
-# and explains the function in prose (this prompt without its last line, 7 of 8 such prompts tried, about
-# half of HumanEval's), so the demo would decode prose; from inside the body it goes on writing code
-# (docs/benchmarks.md, "The prompt of dflash-llama run").
+# and explains the function in prose (this prompt without its last line and 7 others like it: all 8;
+# about half of HumanEval's), so the demo would decode prose; from inside the body it goes on writing
+# code (docs/benchmarks.md, "The prompt of dflash-llama run").
 DEFAULT_PROMPT = '''def running_median(values: list[float]) -> list[float]:
     """Return the median of the first i + 1 values for every i.
     >>> running_median([1.0, 3.0, 2.0])
