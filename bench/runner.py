@@ -398,9 +398,8 @@ class Bench:
                 except peers.PeerError as e:
                     if not rows:
                         raise
-                    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-                    what = " ".join(lines[:1] + lines[1:][-1:])  # the error and the last line of the tool's log
-                    self.peer_failure = f"{m.label} failed on {p.id}: {what}"
+                    message = " ".join(str(e).split())  # one line with its log tail, as the CLI prints errors
+                    self.peer_failure = f"{m.label} failed on {p.id}: {message}"
                     return rows
                 self.progress(1, f"{p.id} {m.key}")
             self._equal_lengths(p, methods, results)
@@ -570,8 +569,8 @@ class Bench:
                 self.retotal(len(s.server_concurrency) *
                              (min(s.server_prompts, n_done) - min(s.server_prompts, len(s.prompts))))
         if self.peer_failure:  # neither the serving phase nor the thread study will run
-            self.retotal(-len(s.server_concurrency) * min(s.server_prompts, n_done) if s.server else 0)
-            self.retotal(-self.thread_study(s.prompts, {}).count_runs() if s.thread_study else 0)
+            self.retotal(-(len(s.server_concurrency) * min(s.server_prompts, n_done) if s.server else 0)
+                         - (self.thread_study(s.prompts, {}).count_runs() if s.thread_study else 0))
         # after a tool's failure the report is written with what was measured, nothing more is run
         srv = self.server_phase(self.server_n_max(rows, methods), texts) if s.server and not self.peer_failure else None
         done = [p for p in s.prompts if p.id in texts]

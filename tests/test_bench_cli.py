@@ -170,8 +170,8 @@ def test_summary_and_ratios_come_from_the_rows(bench_run):
 
 def test_a_tool_that_decodes_past_n_is_met_at_equal_length(tiny_target_gguf, tiny_draft_gguf):
     """llama-speculative-simple decodes past -n when its last draft, asked for 0 tokens, runs without
-    limit (the pin's ngram-mod: up to 64 tokens): our default loop decodes the prompt again to that length, exact, and
-    the equal-length ratio uses it for those prompts."""
+    limit (the pin's ngram-mod: up to 64 tokens): our default loop decodes the prompt again to that
+    length, exact, and the equal-length ratio uses it for those prompts."""
     import types
 
     from dflash_llama import Runtime
