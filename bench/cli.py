@@ -89,6 +89,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-min", type=finite_float, default=DEFAULT_BUDGET_MIN,
                    help=f"stop taking new prompts when the run would exceed this many minutes "
                         f"(default {DEFAULT_BUDGET_MIN:g}; 0 = no limit)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each method this many times on each prompt, in rotating order, and count the fastest "
+                        "run (as timeit's best of N: another process only ever slows a run down); main loop and "
+                        "thread study (default 1)")
     p.add_argument("--pilot-prompts", type=int, default=3,
                    help="prompts (outside the benchmark set when possible) for the cost model (default 3)")
     p.add_argument("--calibration-tokens", type=int, default=32,
@@ -146,6 +150,8 @@ def command_line(args: argparse.Namespace, target: str, draft_arg: str | None, o
                       "--thread-prompts", str(args.thread_prompts)]
         if args.patched:
             parts += ["--patched"]
+        if args.repeat > 1:
+            parts += ["--repeat", str(args.repeat)]
     parts += ["--pilot-prompts", str(args.pilot_prompts), "--calibration-tokens", str(args.calibration_tokens)]
     if args.full_bench:
         parts += ["--server", "--server-concurrency", ",".join(map(str, args.server_concurrency)),
@@ -172,7 +178,8 @@ def _check(args: argparse.Namespace) -> list[str]:
                              ("--ctx-size", args.ctx_size, 64), ("--pilot-prompts", args.pilot_prompts, 1),
                              ("--calibration-tokens", args.calibration_tokens, 4), ("--limit", args.limit, 0),
                              ("--server-prompts", args.server_prompts, 1), ("--budget-min", args.budget_min, 0),
-                             ("--busy-cores", args.busy_cores, 0), ("--thread-prompts", args.thread_prompts, 1)):
+                             ("--busy-cores", args.busy_cores, 0), ("--thread-prompts", args.thread_prompts, 1),
+                             ("--repeat", args.repeat, 1)):
         if value < low:
             raise ValueError(f"{name} must be at least {low}, got {value}")
     if args.thread_study and not args.full_bench:
@@ -222,6 +229,7 @@ def run(args: argparse.Namespace) -> tuple[dict, Path]:
                         server_concurrency=args.server_concurrency, server_prompts=args.server_prompts,
                         calibration_tokens=args.calibration_tokens, n_gpu_layers=args.n_gpu_layers,
                         thread_study=args.thread_study, busy_cores=args.busy_cores, thread_prompts=args.thread_prompts,
+                        repeat=args.repeat,
                         deadline=started + 60.0 * args.budget_min if args.budget_min > 0 else None)
 
     bar = tqdm(total=0, unit="run", desc="bench", dynamic_ncols=True, file=sys.stderr)

@@ -120,11 +120,14 @@ def target_types_section(sweep: dict) -> list[str]:
 def threads_section(study: dict) -> list[str]:
     """The thread study (bench/thread_study.py): each tool at its default and every fixed -t, per condition."""
     counts = study["thread_counts"]
+    n = study.get("repeat", 1)
+    repeat = f", each run {n} times per prompt, the fastest counting" if n > 1 else ""
     L = ["## Threads: each tool at its default and at every fixed -t\n",
          f"Our default loop (`--draft-max auto`, no -t: a new Runtime that measures its thread count before its "
          f"first generation) and llama-completion (no -t: llama.cpp's default), against both at "
          f"-t {', '.join(map(str, counts))}, on {len(study['prompts'])} prompts ({', '.join(study['prompts'])}), "
-         f"-n {study['n_predict']}, quiet and with cores kept busy by spinning processes. tok/s over all tokens; "
+         f"-n {study['n_predict']}, quiet and with cores kept busy by spinning processes"
+         f"{repeat}. tok/s over all tokens; "
          f"threads used: what the tool decoded with (ours: its measurement, llama.cpp: its log); exact: equal to "
          f"the main loop's reference for the prompt (our plain decoding's tokens, llama-completion's text).\n",
          "| busy cores | method | threads used | tok/s | exact |", "|---:|---|---|---:|---|"]
@@ -187,7 +190,10 @@ def render(res: dict, command: str, plots: list[str]) -> str:
     add(f"- {len(s['prompts'])} prompts ({s['prompts'][0]['id']} … {s['prompts'][-1]['id']}), "
         f"-n {s['n_predict']} tokens, greedy, {s['threads']} threads, context {s['n_ctx']}; "
         f"draft block size {s['draft_block_size']}; block sizes {', '.join(map(str, s['block_sizes']))}; "
-        f"--draft-max {s['draft_max']}\n")
+        f"--draft-max {s['draft_max']}" + (
+            f"; each method ran {s['repeat']} times on each prompt (in rotating order), the fastest run counting "
+            f"(`--repeat`; every run's speed in bench.json, `repeat_tokens_per_second`)" if s.get("repeat", 1) > 1
+            else "") + "\n")
 
     add("## Summary (all prompts)\n")
     add("Speed is decode tokens per second over all prompts (tokens after the first / decode time; "

@@ -125,6 +125,7 @@ class Settings:
     thread_study: bool = False  # bench/thread_study.py: each tool at its default -t and every fixed one
     busy_cores: int = 1  # ... quiet and with this many cores kept busy by other processes
     thread_prompts: int = 4  # ... on this many of the benchmark prompts
+    repeat: int = 1  # runs of each method on each prompt, interleaved; the fastest counts (fastest_run)
     deadline: float | None = None  # time.monotonic() by which the run must be done (None: no budget)
 
 
@@ -188,6 +189,22 @@ def plan_methods(s: Settings, block_size: int, pick: int | None, draft: DraftKin
         methods += [Method(f"chain-b{k}", "llama.cpp", "dflash", block_size=k,
                            spec_type=f"{CHAINED_NGRAM},{draft.native_type}", anchor_first=af) for k in native_sizes]
     return methods
+
+
+def fastest_run(runs: list[dict]) -> dict:
+    """Of one method's runs on one prompt (`--repeat`), the fastest by decode speed, as timeit takes the
+    best of its repeats: another process on a shared machine only ever slows a run down. With more than
+    one run the row keeps every run's speed (`repeat_tokens_per_second`, in the order run), and
+    `_repeats_differ` where their outputs were not all equal (a deterministic decoder that was not:
+    its row is never exact)."""
+    best = max(runs, key=lambda r: r.get("tokens_per_second") or 0.0)
+    if len(runs) == 1:
+        return best
+    best = dict(best, repeat_tokens_per_second=[r.get("tokens_per_second") for r in runs])
+    outputs = [(r.get("_tokens"), r.get("_text")) for r in runs]
+    if any(o != outputs[0] for o in outputs[1:]):
+        best["_repeats_differ"] = True
+    return best
 
 
 def runtime_row(m: Method, g) -> dict:
@@ -287,7 +304,7 @@ class Bench:
         return {
             "warmup": 2,
             "cost_model": len(self.s.pilot) * (1 + (b - 1)) + len(self.s.pilot),
-            "main": n_methods * len(self.s.prompts),
+            "main": n_methods * len(self.s.prompts) * self.s.repeat,
             "server": min(self.s.server_prompts, len(self.s.prompts)) * len(self.s.server_concurrency)
             if self.s.server else 0,
             "threads": self.thread_study(self.s.prompts, {}).count_runs() if self.s.thread_study else 0,
@@ -390,18 +407,20 @@ class Bench:
         for i, p in enumerate(self.s.prompts):
             if i and not fits(rows, (time.monotonic() - t0) / i):
                 break
-            shift = i % len(methods)
-            results = {}
-            for m in methods[shift:] + methods[:shift]:
-                try:
-                    results[m.key] = self.run_method(m, p)
-                except peers.PeerError as e:
-                    if not rows:
-                        raise
-                    message = " ".join(str(e).split())  # one line with its log tail, as the CLI prints errors
-                    self.peer_failure = f"{m.label} failed on {p.id}: {message}"
-                    return rows
-                self.progress(1, f"{p.id} {m.key}")
+            runs: dict[str, list[dict]] = {m.key: [] for m in methods}
+            for rep in range(self.s.repeat):  # each round in another order
+                shift = (i + rep) % len(methods)
+                for m in methods[shift:] + methods[:shift]:
+                    try:
+                        runs[m.key].append(self.run_method(m, p))
+                    except peers.PeerError as e:
+                        if not rows:
+                            raise
+                        message = " ".join(str(e).split())  # one line with its log tail, as the CLI prints errors
+                        self.peer_failure = f"{m.label} failed on {p.id}: {message}"
+                        return rows
+                    self.progress(1, f"{p.id} {m.key}" + (f" ({rep + 1}/{self.s.repeat})" if self.s.repeat > 1 else ""))
+            results = {key: fastest_run(r) for key, r in runs.items()}
             self._equal_lengths(p, methods, results)
             self.ref_tokens[p.id] = results["runtime-ar"]["_tokens"]
             rows += self._compare(p, methods, results)
@@ -423,10 +442,15 @@ class Bench:
             if m.impl != "llama.cpp" or n <= self.s.n_predict + 1:
                 continue
             if n not in done:
-                self.retotal(1)
-                g = self.rt.generate(self.tokens[p.id], n, block_size=default.block_size, draft_max="auto")
-                done[n] = (g.tokens, runtime_row(default, g))
-                self.progress(1, f"{p.id} runtime-auto at {n} tokens")
+                self.retotal(self.s.repeat)
+                again = []
+                for _ in range(self.s.repeat):
+                    g = self.rt.generate(self.tokens[p.id], n, block_size=default.block_size, draft_max="auto")
+                    again.append(runtime_row(default, g) | {"_tokens": g.tokens})
+                    self.progress(1, f"{p.id} runtime-auto at {n} tokens")
+                best = fastest_run(again)
+                tokens = best.pop("_tokens") if not best.pop("_repeats_differ", False) else []
+                done[n] = (tokens, best)
             r["_equal_length"] = done[n]
 
     @staticmethod
@@ -457,6 +481,8 @@ class Bench:
             else:
                 exact, diff = text_matches(r["_text"], sar["_text"], sar["_stopped"])
                 against, unit = "llama-spec-ar", "char"
+            if r.get("_repeats_differ"):  # a deterministic decoder whose repeated runs did not agree
+                exact = False
             same_as_lc = text_matches(r["_text"], lc["_text"], lc["_stopped"] or m.impl == "dflash-llama")[0]
             row = {"prompt": p.id, "method": m.key, "label": m.label, "impl": m.impl, "kind": m.kind,
                    "block_size": m.block_size, "n_draft": m.n_draft, "spec_type": m.spec_type, "auto": m.auto,
@@ -464,6 +490,8 @@ class Bench:
                    "exact": bool(exact), "exact_against": against, "first_difference": diff,
                    "first_difference_unit": unit if diff is not None else None,
                    "same_text_as_llama_completion": bool(same_as_lc)}
+            if r.get("_repeats_differ"):
+                row["repeats_differ"] = True
             row.update({k: v for k, v in r.items() if not k.startswith("_")})
             if "_equal_length" in r:  # our default loop at this row's length: its speed, and its exactness
                 tokens, ours = r["_equal_length"]
@@ -550,7 +578,7 @@ class Bench:
         self.pick = cm["used_n_draft"] = pick
         methods = plan_methods(s, self.block_size, pick, self.draft_kind)
         assumed = len(plan_methods(s, self.block_size, 1 if self.block_size > 2 else None, self.draft_kind))
-        self.retotal((len(methods) - assumed) * len(s.prompts))
+        self.retotal((len(methods) - assumed) * len(s.prompts) * s.repeat)
 
         def fits(rows: list[dict], per_prompt_s: float) -> bool:
             if s.deadline is None:
@@ -564,7 +592,7 @@ class Bench:
                  for r in rows if r["method"] == "_texts"}
         n_done = len(texts)
         if n_done < len(s.prompts):  # the progress bar planned for every prompt
-            self.retotal(-(len(s.prompts) - n_done) * len(methods))
+            self.retotal(-(len(s.prompts) - n_done) * len(methods) * s.repeat)
             if s.server:
                 self.retotal(len(s.server_concurrency) *
                              (min(s.server_prompts, n_done) - min(s.server_prompts, len(s.prompts))))
@@ -611,7 +639,7 @@ class Bench:
                          "stopped_by_budget": n_done < len(s.prompts) and not self.peer_failure,
                          "stopped_by_failure": self.peer_failure, "server_prompts": s.server_prompts,
                          "draft_block_size": self.block_size, "draft_max": s.draft_max, "threads": s.threads,
-                         "n_ctx": s.n_ctx, "ngram_types": s.ngram_types, "native": s.native,
+                         "n_ctx": s.n_ctx, "repeat": s.repeat, "ngram_types": s.ngram_types, "native": s.native,
                          "stock_build": s.stock, "patched_server": s.patched_server,
                          "server": s.server, "server_concurrency": s.server_concurrency,
                          "prompts": [{"id": p.id, "n_tokens": len(self.tokens[p.id])} for p in s.prompts

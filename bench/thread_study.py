@@ -13,8 +13,10 @@ llama.cpp's tools at theirs:
   and with -t N.
 
 A busy core is a process spinning in a loop (`busy_cores`). Methods rotate per prompt as in the main
-loop. Every row is checked against the main loop's reference for its prompt: our tokens against our
-plain decoding's, llama-completion's text against llama-completion's at the run's -t.
+loop, and with `--repeat N` each runs N times per prompt, the fastest counting (runner.fastest_run).
+Every row is checked against the main loop's reference for its prompt: our tokens against our plain
+decoding's, llama-completion's text against llama-completion's at the run's -t (with repeats: every
+run).
 """
 
 from __future__ import annotations
@@ -113,11 +115,12 @@ class ThreadStudy:
         self.s, self.prompts, self.tokens = s, prompts, tokens
         self.ref_tokens, self.ref_texts = ref_tokens, ref_texts
         self.conditions = sorted({0, busy})
+        self.repeat = s.repeat  # runs of each arm on each prompt; the fastest counts
         self.arms = plan(thread_counts())
         self.progress = progress
 
     def count_runs(self) -> int:
-        return len(self.conditions) * len(self.prompts) * len(self.arms)
+        return len(self.conditions) * len(self.prompts) * len(self.arms) * self.repeat
 
     def estimate_s(self, seconds_per_run: float) -> float:
         """Expected length, from what one generation cost in the main loop (a busy core halves a
@@ -144,6 +147,8 @@ class ThreadStudy:
     def run(self) -> dict:
         from dflash_llama import Runtime
 
+        from .runner import fastest_run
+
         s = self.s
         out = []
         for busy in self.conditions:
@@ -152,12 +157,18 @@ class ThreadStudy:
                                       n_gpu_layers=s.n_gpu_layers) for a in self.arms if a.tool == "dflash-llama"}
                 rows = []
                 for i, p in enumerate(self.prompts):
-                    shift = i % len(self.arms)
-                    for a in self.arms[shift:] + self.arms[:shift]:
-                        r = self._ours(rts[a.key], p) if a.tool == "dflash-llama" else self._llama(a, p)
-                        rows.append({"prompt": p.id, "arm": a.key, **r})
-                        self.progress(1, f"threads, {busy} busy: {p.id} {a.key}")
+                    runs: dict[str, list[dict]] = {a.key: [] for a in self.arms}
+                    for rep in range(self.repeat):  # each round in another order
+                        shift = (i + rep) % len(self.arms)
+                        for a in self.arms[shift:] + self.arms[:shift]:
+                            runs[a.key].append(self._ours(rts[a.key], p) if a.tool == "dflash-llama"
+                                               else self._llama(a, p))
+                            self.progress(1, f"threads, {busy} busy: {p.id} {a.key}")
+                    for a in self.arms:
+                        best = fastest_run(runs[a.key])
+                        best["exact"] = all(r["exact"] for r in runs[a.key])
+                        rows.append({"prompt": p.id, "arm": a.key, **best})
                 del rts  # each condition's runtimes measure their threads anew
             out.append({"busy_cores": busy, "rows": rows, **summarise(rows, self.arms)})
         return {"prompts": [p.id for p in self.prompts], "thread_counts": thread_counts(),
-                "n_predict": s.n_predict, "conditions": out}
+                "n_predict": s.n_predict, "repeat": self.repeat, "conditions": out}

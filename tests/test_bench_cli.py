@@ -184,16 +184,19 @@ def test_a_tool_that_decodes_past_n_is_met_at_equal_length(tiny_target_gguf, tin
                Method("runtime-auto", "dflash-llama", "dflash", block_size=rt.block_size, adaptive=True),
                Method("ngram-mod", "llama.cpp", "ngram", spec_type="ngram-mod")]
     runs = []
-    runner = types.SimpleNamespace(s=types.SimpleNamespace(n_predict=12), rt=rt, tokens={"p0": rt.tokenize(p.text)},
+    runner = types.SimpleNamespace(s=types.SimpleNamespace(n_predict=12, repeat=2), rt=rt,
+                                   tokens={"p0": rt.tokenize(p.text)},
                                    retotal=lambda extra: runs.append(extra), progress=lambda n, what: None)
     ar = rt.autoregressive(p.text, 12)
     results = {"runtime-ar": {"n_tokens": 12, "_tokens": ar.tokens},
                "llama-completion": {"n_tokens": 12}, "runtime-auto": {"n_tokens": 12},
                "ngram-mod": {"n_tokens": 40}}
     Bench._equal_lengths(runner, p, methods, results)
-    assert runs == [1] and set(results) == {"runtime-ar", "llama-completion", "runtime-auto", "ngram-mod"}
+    assert runs == [2] and set(results) == {"runtime-ar", "llama-completion", "runtime-auto", "ngram-mod"}
     tokens, row = results["ngram-mod"]["_equal_length"]
     assert len(tokens) == row["n_tokens"] == 40 and tokens == rt.autoregressive(p.text, 40).tokens
+    assert len(row["repeat_tokens_per_second"]) == 2
+    assert row["tokens_per_second"] == max(row["repeat_tokens_per_second"])
     assert "_equal_length" not in results["llama-completion"]
 
     def rows(prompt, ours_tps, theirs_tps, longer=None):
@@ -262,6 +265,8 @@ def test_bad_arguments_exit_2(capsys, tiny_target_gguf, tmp_path):
     assert cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tmp_path), "--patched",
                      "--no-server"]) == 2
     assert "--patched runs the serving phase on the patched llama-server: it needs --server" in capsys.readouterr().err
+    assert cli.main(["bench", "--target", str(tiny_target_gguf), "--repeat", "0"]) == 2
+    assert "dflash-llama bench: error: --repeat must be at least 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["bench", "--block-sizes", "1,4"])
     assert "--block-sizes must be integers >= 2" in capsys.readouterr().err

@@ -32,6 +32,19 @@ def test_summary_compares_each_default_with_its_best_fixed_count():
     assert llama["best_fixed"] == "llama-t1" and llama["default_vs_best_fixed"] == pytest.approx(75 / 150)
 
 
+def test_the_fastest_of_repeated_runs_counts_and_differing_outputs_are_kept():
+    from dflash_llama.bench.runner import fastest_run
+
+    runs = [{"tokens_per_second": 140.0, "_tokens": [1, 2]}, {"tokens_per_second": 151.5, "_tokens": [1, 2]},
+            {"tokens_per_second": 150.0, "_tokens": [1, 2]}]
+    best = fastest_run(runs)
+    assert best["tokens_per_second"] == 151.5 and best["repeat_tokens_per_second"] == [140.0, 151.5, 150.0]
+    assert "_repeats_differ" not in best and "repeat_tokens_per_second" not in runs[1]
+    assert fastest_run(runs[:1]) is runs[0]
+    differ = fastest_run([{"tokens_per_second": 10.0, "_text": "a"}, {"tokens_per_second": 9.0, "_text": "b"}])
+    assert differ["_repeats_differ"] is True and differ["_text"] == "a"
+
+
 def test_thread_counts_and_busy_cores_end_with_the_block():
     assert ts.thread_counts(1) == [1] and ts.thread_counts(2) == [1, 2] and ts.thread_counts(8) == [1, 2, 8]
     with ts.busy_cores(1) as procs:
@@ -48,13 +61,18 @@ def test_peers_without_a_thread_count_leave_it_to_the_tool(tiny_target_gguf):
 
 @pytest.mark.peer
 def test_bench_runs_each_tool_at_its_default_and_every_fixed_count(tiny_target_gguf, tiny_draft_gguf, tmp_path):
+    """With --repeat 2: every row of the main loop and of the study is the faster of its two runs."""
     out = tmp_path / "threads"
     rc = cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tiny_draft_gguf), "--limit", "1",
                    "-n", "6", "-t", "1", "--block-sizes", "2", "--ngram-types", "none", "--no-native", "--no-server",
                    "--pilot-prompts", "1", "--calibration-tokens", "4", "--thread-study", "--thread-prompts", "1",
-                   "--out", str(out)])
+                   "--repeat", "2", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "bench.json").read_text())
+    assert res["settings"]["repeat"] == 2 and "--repeat 2" in res["command"]
+    for r in res["rows"] + [r for c in res["threads"]["conditions"] for r in c["rows"]]:
+        assert len(r["repeat_tokens_per_second"]) == 2 and r["tokens_per_second"] == max(r["repeat_tokens_per_second"])
+        assert r["exact"] and "repeats_differ" not in r
     study = res["threads"]
     counts = ts.thread_counts()
     assert study["prompts"] == ["HumanEval/0"] and study["thread_counts"] == counts
@@ -72,6 +90,8 @@ def test_bench_runs_each_tool_at_its_default_and_every_fixed_count(tiny_target_g
     md = (out / "bench.md").read_text()
     assert "## Threads: each tool at its default and at every fixed -t" in md
     assert "| 1 | llama-completion, no -t (default) |" in md and "1 busy: `" in md
+    assert "each method ran 2 times on each prompt (in rotating order), the fastest run counting" in md
+    assert ", each run 2 times per prompt, the fastest counting." in md
 
 
 def test_a_thread_study_needs_the_benchmark(capsys, tiny_target_gguf):
