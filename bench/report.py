@@ -135,12 +135,20 @@ def threads_section(study: dict) -> list[str]:
         for it in c["arms"].values():
             L.append(f"| {c['busy_cores']} | {it['label']} | {', '.join(map(str, it['threads_used'])) or '–'} | "
                      f"{_f(it['tokens_per_second'])} | {it['exact']}/{it['prompts']} |")
-    L += ["", "| busy cores | tool | default / its best fixed -t | median per prompt | best fixed |",
-          "|---:|---|---:|---:|---|"]
+    L += ["", "| busy cores | tool | default / its best fixed -t | median per prompt | best fixed | default's threads |",
+          "|---:|---|---:|---:|---|---|"]
     for c in study["conditions"]:
         for tool, t in c["tools"].items():
+            same = " (the best fixed count)" if t.get("same_count_as_best_fixed") else ""
             L.append(f"| {c['busy_cores']} | {tool} | {_f(t['default_vs_best_fixed'], 3)} | "
-                     f"{_f(t['median_prompt_default_vs_best_fixed'], 3)} | {c['arms'][t['best_fixed']]['label']} |")
+                     f"{_f(t['median_prompt_default_vs_best_fixed'], 3)} | {c['arms'][t['best_fixed']]['label']} | "
+                     f"{', '.join(map(str, t.get('default_threads') or [])) or '–'}{same} |")
+    spread = [(c["busy_cores"], c.get("repeat_spread")) for c in study["conditions"] if c.get("repeat_spread")]
+    if spread:
+        L += ["", "Runs of one method on one prompt spread by " + ", ".join(
+            f"{100 * v:.1f}% ({b} busy)" for b, v in spread) + " (the median of (fastest - slowest) / fastest over "
+            "its repeats): a default that decoded with the best fixed count is that count, and its ratio to it "
+            "is this machine's noise."]
     chose = [(c["busy_cores"], next((r["threads"] for r in c["rows"] if r["arm"] == "ours-default"), None))
              for c in study["conditions"]]
     if any(line for _, line in chose):

@@ -82,7 +82,9 @@ def _speed(rows: list[dict]) -> float | None:
 
 def summarise(rows: list[dict], arms: list[Arm]) -> dict:
     """Per arm: speed over all tokens and exactness; per tool: its best fixed count, and its default
-    against it (over all tokens and the median of per-prompt ratios)."""
+    against it (over all tokens and the median of per-prompt ratios), with the count the default used;
+    with repeats, how far one arm's runs on one prompt spread (the median of (fastest - slowest) /
+    fastest): a default that chose the best fixed count differs from it by no more than that."""
     by = {a.key: [r for r in rows if r["arm"] == a.key] for a in arms}
     arms_out = {a.key: {"label": a.label, "tool": a.tool, "threads": a.threads, "prompts": len(by[a.key]),
                         "exact": sum(r["exact"] for r in by[a.key]), "tokens_per_second": _speed(by[a.key]),
@@ -98,11 +100,16 @@ def summarise(rows: list[dict], arms: list[Arm]) -> dict:
         d = {r["prompt"]: r for r in by[default.key]}
         per = [d[r["prompt"]]["tokens_per_second"] / r["tokens_per_second"] for r in by[best.key]
                if r["prompt"] in d and r["tokens_per_second"] and d[r["prompt"]]["tokens_per_second"]]
+        used = arms_out[default.key]["threads_used"]
         tools[tool] = {"default": default.key, "best_fixed": best.key,
+                       "default_threads": used, "same_count_as_best_fixed": used == [best.threads],
                        "default_vs_best_fixed": arms_out[default.key]["tokens_per_second"]
                        / arms_out[best.key]["tokens_per_second"],
                        "median_prompt_default_vs_best_fixed": statistics.median(per) if per else None}
-    return {"arms": arms_out, "tools": tools}
+    spreads = [(max(v) - min(v)) / max(v) for r in rows if len(v := r.get("repeat_tokens_per_second") or []) > 1
+               and min(v) > 0]
+    return {"arms": arms_out, "tools": tools,
+            "repeat_spread": statistics.median(spreads) if spreads else None}
 
 
 class ThreadStudy:

@@ -22,8 +22,15 @@ def test_summary_compares_each_default_with_its_best_fixed_count():
     assert [a.key for a in arms] == ["ours-default", "ours-t1", "ours-t2", "llama-default", "llama-t1", "llama-t2"]
     speeds = {"ours-default": (150, 160), "ours-t1": (150, 150), "ours-t2": (60, 70),
               "llama-default": (70, 80), "llama-t1": (140, 160), "llama-t2": (70, 80)}
-    rows = [_row(k, p, v[i], exact=(k, p) != ("llama-t2", "b")) for k, v in speeds.items() for i, p in enumerate("ab")]
+    rows = [_row(k, p, v[i], exact=(k, p) != ("llama-t2", "b"), used=2 if k.endswith("t2") or k == "llama-default"
+                 else 1) for k, v in speeds.items() for i, p in enumerate("ab")]
     out = ts.summarise(rows, arms)
+    assert out["tools"]["dflash-llama"]["default_threads"] == [1]
+    assert out["tools"]["llama.cpp"]["default_threads"] == [2]
+    assert out["tools"]["dflash-llama"]["same_count_as_best_fixed"] is True
+    assert out["tools"]["llama.cpp"]["same_count_as_best_fixed"] is False and out["repeat_spread"] is None
+    rows[0]["repeat_tokens_per_second"], rows[1]["repeat_tokens_per_second"] = [100.0, 90.0], [150.0, 120.0, 140.0]
+    assert ts.summarise(rows, arms)["repeat_spread"] == pytest.approx((0.1 + 0.2) / 2)
     assert out["arms"]["ours-t2"]["tokens_per_second"] == pytest.approx(65.0)
     assert out["arms"]["llama-t2"]["exact"] == 1 and out["arms"]["ours-t1"]["exact"] == 2
     ours, llama = out["tools"]["dflash-llama"], out["tools"]["llama.cpp"]
@@ -92,6 +99,7 @@ def test_bench_runs_each_tool_at_its_default_and_every_fixed_count(tiny_target_g
     assert "| 1 | llama-completion, no -t (default) |" in md and "1 busy: `" in md
     assert "each method ran 2 times on each prompt (in rotating order), the fastest run counting" in md
     assert ", each run 2 times per prompt, the fastest counting." in md
+    assert "Runs of one method on one prompt spread by " in md
 
 
 def test_a_thread_study_needs_the_benchmark(capsys, tiny_target_gguf):
