@@ -185,6 +185,9 @@ def _check(args: argparse.Namespace) -> list[str]:
     if args.thread_study and not args.full_bench:
         raise ValueError("--thread-study runs on the benchmark's prompts after its main loop: not with "
                          "--target-types alone (add --native)")
+    if args.repeat > 1 and not args.full_bench:
+        raise ValueError("--repeat repeats the benchmark's main loop and thread study: not with --target-types "
+                         "alone (add --native)")
     if args.stock_build and not args.full_bench:
         raise ValueError("--stock-build runs beside the benchmark's main loop: not with --target-types alone "
                          "(add --native)")

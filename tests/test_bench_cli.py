@@ -267,6 +267,9 @@ def test_bad_arguments_exit_2(capsys, tiny_target_gguf, tmp_path):
     assert "--patched runs the serving phase on the patched llama-server: it needs --server" in capsys.readouterr().err
     assert cli.main(["bench", "--target", str(tiny_target_gguf), "--repeat", "0"]) == 2
     assert "dflash-llama bench: error: --repeat must be at least 1, got 0" in capsys.readouterr().err
+    assert cli.main(["bench", "--target", str(tiny_target_gguf), "--target-types", "Q8_0", "--repeat", "2"]) == 2
+    assert "--repeat repeats the benchmark's main loop and thread study: not with --target-types alone" in (
+        capsys.readouterr().err)
     with pytest.raises(SystemExit):
         cli.main(["bench", "--block-sizes", "1,4"])
     assert "--block-sizes must be integers >= 2" in capsys.readouterr().err
