@@ -2,12 +2,16 @@
 
 Tiny fixtures (a target of the pair's `family`, qwen3 unless named, and a draft) are built from
 seeds into a cache folder (`$DFLASH_LLAMA_CACHE`, else `~/.cache/dflash-llama`), once, under names
-holding the family; GGUFs are converted with our converter. A `files` pair whose files
+holding the family and a key of what made them (`build_key`: the fixture's settings and the code of
+the fixtures and of the converter), so that a changed pair, fixture or converter builds anew instead
+of checking an old file; GGUFs are converted with our converter. A `files` pair whose files
 are missing is skipped, and so is a pair whose `skip` says why it cannot run today.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,11 +114,43 @@ def _expand(p: str | None) -> Path | None:
     return None if p is None else Path(os.path.expandvars(os.path.expanduser(p)))
 
 
+def _code_files() -> list[Path]:
+    """The code a cached fixture depends on: the fixtures module and the converter package."""
+    import dflash_llama.converter
+    from dflash_llama import fixtures
+
+    return [Path(fixtures.__file__), *sorted(Path(dflash_llama.converter.__file__).parent.glob("*.py"))]
+
+
+def build_key(*settings) -> str:
+    """10 hex digits of a hash of `settings` (JSON) and of the code that builds a fixture from them."""
+    h = hashlib.sha256()
+    for part in settings:
+        h.update(json.dumps(part, sort_keys=True, default=str).encode())
+    for f in _code_files():
+        h.update(f.read_bytes())
+    return h.hexdigest()[:10]
+
+
+def target_key(family: str) -> str:
+    from dataclasses import asdict
+
+    from dflash_llama import fixtures
+
+    return build_key("target", asdict(fixtures.TinyTargetConfig(family=family)))
+
+
+def tiny_target_paths(cache: Path, family: str = "qwen3") -> tuple[Path, Path]:
+    """Where the tiny fixture target of a family is cached: (HF dir, f32 GGUF)."""
+    stem = f"tiny-target-{family}-{target_key(family)}"
+    return cache / f"{stem}-hf", cache / f"{stem}-f32.gguf"
+
+
 def tiny_target(cache: Path, family: str = "qwen3") -> tuple[Path, Path]:
     """The tiny fixture target of a family: (HF dir, f32 GGUF), built once."""
     from dflash_llama import fixtures
 
-    hf, gguf = cache / f"tiny-target-{family}-hf", cache / f"tiny-target-{family}-f32.gguf"
+    hf, gguf = tiny_target_paths(cache, family)
     if not (hf / "config.json").exists():
         fixtures.tiny_target_hf(hf, fixtures.TinyTargetConfig(family=family))
     if not gguf.exists():
@@ -143,16 +179,18 @@ def resolve(pair: Pair, defaults: dict, cache: Path | None = None) -> Resolved:
     if pair.kind == "fixture":
         target_hf, target = tiny_target(cache, pair.family)
         cfg = fixtures.TinyDraftConfig(**pair.draft_cfg)
-        hf = cache / f"{pair.name}-{pair.family}-draft-hf"
+        key = build_key("draft", target_key(pair.family), pair.draft_cfg, pair.draft_vocab)
+        stem = f"{pair.name}-{pair.family}-{key}"
+        hf = cache / f"{stem}-draft-hf"
         if not (hf / "model.safetensors").exists():
             fixtures.tiny_draft_hf(hf, target_hf, cfg)
-        draft = _converted(hf, target, cache / f"{pair.name}-{pair.family}-draft-{pair.outtype}.gguf", pair.outtype,
-                           pair.draft_vocab)
+        draft = _converted(hf, target, cache / f"{stem}-draft-{pair.outtype}.gguf", pair.outtype, pair.draft_vocab)
         return Resolved(pair, target=target, draft=draft, draft_hf=hf, target_hf=target_hf)
     if pair.kind == "default":
         target = fixtures.smollm2_gguf()
         hf = default_draft_dir(defaults)
-        draft = _converted(hf, target, cache / f"smollm2-default-draft-{pair.outtype}.gguf", pair.outtype)
+        draft = _converted(hf, target, cache / f"smollm2-default-draft-{build_key('default')}-{pair.outtype}.gguf",
+                           pair.outtype)
         return Resolved(pair, target=target, draft=draft, draft_hf=hf)
     # files
     paths = {k: _expand(getattr(pair, k)) for k in ("target", "draft", "draft_hf", "target_hf")}

@@ -118,13 +118,29 @@ def test_the_cache_names_hold_the_family(tmp_path, monkeypatch):
     monkeypatch.setattr(fixtures, "tiny_target_hf", lambda out, cfg: built.append(("hf", cfg.family)))
     monkeypatch.setattr(fixtures, "tiny_target_gguf", lambda hf, out, outtype, family: built.append(("gguf", family)))
     for family in ("qwen3", "gemma3"):
-        (tmp_path / f"tiny-target-{family}-hf").mkdir()
-        (tmp_path / f"tiny-target-{family}-hf" / "config.json").write_text("{}")
-        (tmp_path / f"tiny-target-{family}-f32.gguf").write_bytes(b"")
-    assert registry.tiny_target(tmp_path) == (tmp_path / "tiny-target-qwen3-hf",
-                                              tmp_path / "tiny-target-qwen3-f32.gguf")
-    assert registry.tiny_target(tmp_path, "gemma3")[1] == tmp_path / "tiny-target-gemma3-f32.gguf"
+        hf, gguf = registry.tiny_target_paths(tmp_path, family)
+        hf.mkdir()
+        (hf / "config.json").write_text("{}")
+        gguf.write_bytes(b"")
+    key = registry.target_key("qwen3")
+    assert len(key) == 10 and key != registry.target_key("gemma3")
+    assert registry.tiny_target(tmp_path) == (tmp_path / f"tiny-target-qwen3-{key}-hf",
+                                              tmp_path / f"tiny-target-qwen3-{key}-f32.gguf")
+    assert registry.tiny_target(tmp_path, "gemma3")[1].name.startswith("tiny-target-gemma3-")
     assert built == []
+
+
+def test_a_changed_fixture_or_converter_is_built_anew(tmp_path, monkeypatch):
+    """The cache key holds the fixture's settings and the code that builds it: an edit to either (here
+    the converter's source, as a stand-in file) names another file, so an old build is never checked."""
+    before = registry.target_key("qwen3")
+    assert registry.build_key("draft", before, {"block_size": 8}, 0) != registry.build_key(
+        "draft", before, {"block_size": 16}, 0)
+    edited = tmp_path / "conversion.py"
+    edited.write_text("# an edit\n")
+    real = registry._code_files
+    monkeypatch.setattr(registry, "_code_files", lambda: [*real(), edited])
+    assert registry.target_key("qwen3") != before
 
 
 def test_a_skipped_pair_builds_nothing(tmp_path):
@@ -139,9 +155,10 @@ def test_a_reduced_vocabulary_reaches_the_converter(tmp_path, monkeypatch):
     import dflash_llama.converter
     from dflash_llama import fixtures
 
-    (tmp_path / "tiny-target-qwen3-hf").mkdir()
-    (tmp_path / "tiny-target-qwen3-hf" / "config.json").write_text("{}")
-    (tmp_path / "tiny-target-qwen3-f32.gguf").write_bytes(b"")
+    hf, gguf = registry.tiny_target_paths(tmp_path)
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    gguf.write_bytes(b"")
 
     def draft_hf(out, target_hf, cfg):
         out.mkdir()
@@ -155,5 +172,6 @@ def test_a_reduced_vocabulary_reaches_the_converter(tmp_path, monkeypatch):
     pair = registry.Pair(name="v", kind="fixture", outtype="f32", draft_vocab=512,
                          draft_cfg={"variant": "dspark", "markov_rank": 8})
     res = registry.resolve(pair, {}, cache=tmp_path)
-    assert calls == [("v-qwen3-draft-f32.tmp.gguf", "f32", 512)]
-    assert res.draft == tmp_path / "v-qwen3-draft-f32.gguf" and res.draft.exists()
+    key = registry.build_key("draft", registry.target_key("qwen3"), pair.draft_cfg, 512)
+    assert calls == [(f"v-qwen3-{key}-draft-f32.tmp.gguf", "f32", 512)]
+    assert res.draft == tmp_path / f"v-qwen3-{key}-draft-f32.gguf" and res.draft.exists()
