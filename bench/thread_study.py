@@ -84,7 +84,8 @@ def summarise(rows: list[dict], arms: list[Arm]) -> dict:
     """Per arm: speed over all tokens and exactness; per tool: its best fixed count, and its default
     against it (over all tokens and the median of per-prompt ratios), with the count the default used;
     with repeats, how far one arm's runs on one prompt spread (the median of (fastest - slowest) /
-    fastest): a default that chose the best fixed count differs from it by no more than that."""
+    fastest): a default that chose the best fixed count is that setting, and its ratio to it is noise
+    of about that size."""
     by = {a.key: [r for r in rows if r["arm"] == a.key] for a in arms}
     arms_out = {a.key: {"label": a.label, "tool": a.tool, "threads": a.threads, "prompts": len(by[a.key]),
                         "exact": sum(r["exact"] for r in by[a.key]), "tokens_per_second": _speed(by[a.key]),
