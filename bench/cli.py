@@ -71,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stock-build", action="store_true",
                    help="also run llama-speculative-simple from a stock build of the pin (llamafile's sgemm on, "
                         "as llama.cpp builds by default; made once from our build, cached): without drafts, "
-                        "with each --ngram-types mode, and with --native its native DFlash")
+                        "with each --ngram-types mode, and with --native its native DFlash and its chain "
+                        "ngram-mod,draft-dflash")
     p.add_argument("--patched", action="store_true",
                    help="run the serving phase's llama-server from the pinned llama.cpp with patches/series "
                         "applied (docs/upstream_status.md; built once from our build, cached)")

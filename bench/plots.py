@@ -91,7 +91,8 @@ def speed_by_block_size(res: dict, path: Path) -> Path:
                 ("dflash-llama", False, False, OURS, "-", "dflash-llama DFlash"),
                 ("llama.cpp", False, False, NATIVE, "-", "llama.cpp native DFlash"),
                 ("llama.cpp", True, False, NATIVE, "--", "llama.cpp native DFlash, stock build"),
-                ("llama.cpp", False, True, "teal", "-.", "llama.cpp chain ngram-mod,draft-dflash")):
+                ("llama.cpp", False, True, "teal", "-.", "llama.cpp chain ngram-mod,draft-dflash"),
+                ("llama.cpp", True, True, "teal", ":", "llama.cpp chain ngram-mod,draft-dflash, stock build")):
             pts = sorted((m["block_size"], y(m["key"])) for m in ms
                          if m["impl"] == impl and m["kind"] == "dflash" and m["draft_max"] is None
                          and not m.get("adaptive") and bool(m.get("stock")) == stock

@@ -16,8 +16,8 @@ Methods (each a row per prompt):
   for a DSpark draft, K for an anchor-first one, whose block of K drafts K);
 - `chain-b{K}` (with `ngram-mod` among the n-gram types): llama.cpp's chained drafters,
   `--spec-type ngram-mod,draft-dflash` (the first that proposes wins) at `--spec-draft-n-max K-1`;
-- `stock-spec-ar`, `stock-b{K}` (with native DFlash), `stock-ngram-*` (`--stock-build`): the same from a
-  stock build of the pin (ggml-cpu with llamafile's sgemm, as llama.cpp builds it by default:
+- `stock-spec-ar`, `stock-b{K}` (with native DFlash), `stock-ngram-*`, `stock-chain-b{K}` (`--stock-build`):
+  the same from a stock build of the pin (ggml-cpu with llamafile's sgemm, as llama.cpp builds it by default:
   `dflash_llama.toolbuild.stock_tool`);
 - `ngram-*`: llama.cpp's n-gram speculation, draft-free, with the tool's default settings.
 
@@ -96,7 +96,7 @@ class Method:
             return (f"{who} DFlash B={self.block_size}, adaptive{', no n-gram' if self.ngram is False else ''}"
                     f"{', no confidence gate' if self.confidence is False else ''}")
         if self.chain:
-            return f"llama.cpp chain {self.spec_type} B={self.block_size}"
+            return f"llama.cpp chain {self.spec_type} B={self.block_size}{', stock build' if self.stock else ''}"
         n = f", N={self.draft_max}" if self.draft_max is not None else ""
         build = ", stock build" if self.stock else ""
         return f"{who} DFlash B={self.block_size}{n}{' (auto)' if self.auto else ''}{build}"
@@ -186,8 +186,10 @@ def plan_methods(s: Settings, block_size: int, pick: int | None, draft: DraftKin
     if s.stock:
         methods += [Method(f"stock-{t}", "llama.cpp", "ngram", spec_type=t, stock=True) for t in s.ngram_types]
     if s.native and CHAINED_NGRAM in s.ngram_types:
-        methods += [Method(f"chain-b{k}", "llama.cpp", "dflash", block_size=k,
-                           spec_type=f"{CHAINED_NGRAM},{draft.native_type}", anchor_first=af) for k in native_sizes]
+        for stock in (False, True) if s.stock else (False,):
+            methods += [Method(f"{'stock-' if stock else ''}chain-b{k}", "llama.cpp", "dflash", block_size=k,
+                               spec_type=f"{CHAINED_NGRAM},{draft.native_type}", stock=stock, anchor_first=af)
+                        for k in native_sizes]
     return methods
 
 
@@ -771,7 +773,8 @@ def ratios(rows: list[dict], methods: list[Method], block_size: int) -> list[dic
             out.append(pair(m.key, "stock-spec-ar" if m.stock else "llama-spec-ar",
                             f"{m.label} / the same tool without drafts"))
             if m.stock:
-                out.append(pair(m.key, f"native-b{m.block_size}", f"{m.label} / the same, built like ours"))
+                ours = f"{'chain' if m.chain else 'native'}-b{m.block_size}"
+                out.append(pair(m.key, ours, f"{m.label} / the same, built like ours"))
     for stock in (False, True):
         best = fastest(rows, [m for m in methods if m.impl == "llama.cpp" and m.stock == stock])
         if best is not None:

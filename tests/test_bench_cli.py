@@ -351,17 +351,19 @@ def stock_cache(tmp_path_factory):
 
 
 def test_stock_build_rows_and_ratios(tiny_target_gguf, tiny_draft_gguf, tmp_path, monkeypatch, stock_cache):
-    """--stock-build: native DFlash from a stock build of the pin beside the one built like ours, each
-    judged against its own tool without drafts, with the ratios of our runtime to it."""
+    """--stock-build: native DFlash and the chain ngram-mod,draft-dflash from a stock build of the pin
+    beside the ones built like ours, each judged against its own tool without drafts, with the ratios of
+    our runtime to it."""
     monkeypatch.setenv("DFLASH_LLAMA_CACHE", str(stock_cache))
     out = tmp_path / "stock"
     rc = cli.main(["bench", "--target", str(tiny_target_gguf), "--draft", str(tiny_draft_gguf), "--limit", "1",
-                   "-n", "8", "-t", "1", "--block-sizes", "2,4", "--ngram-types", "none", "--stock-build",
+                   "-n", "8", "-t", "1", "--block-sizes", "2,4", "--ngram-types", "ngram-mod", "--stock-build",
                    "--no-server", "--pilot-prompts", "1", "--calibration-tokens", "4", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "bench.json").read_text())
     keys = [m["key"] for m in res["methods"]]
-    assert keys[-5:] == ["native-b2", "native-b4", "stock-spec-ar", "stock-b2", "stock-b4"]
+    assert keys[-11:] == ["native-b2", "native-b4", "stock-spec-ar", "stock-b2", "stock-b4", "ngram-mod",
+                          "stock-ngram-mod", "chain-b2", "chain-b4", "stock-chain-b2", "stock-chain-b4"]
     assert res["settings"]["stock_build"] is True and "--stock-build" in res["command"]
     rows = {r["method"]: r for r in res["rows"]}
     assert all(rows[k]["exact"] is True for k in keys)
@@ -375,7 +377,13 @@ def test_stock_build_rows_and_ratios(tiny_target_gguf, tiny_draft_gguf, tmp_path
         speed("runtime-b4") / speed("stock-b4"))
     assert ratios["llama.cpp native DFlash B=4, stock build / the same, built like ours"]["ratio"] == pytest.approx(
         speed("stock-b4") / speed("native-b4"))
-    assert "| llama.cpp native DFlash B=2, stock build |" in (out / "bench.md").read_text()
+    assert rows["stock-chain-b4"]["exact_against"] == "stock-spec-ar"
+    assert "stock-tools" in rows["stock-chain-b4"]["tool"]
+    chain = "llama.cpp chain ngram-mod,draft-dflash B=4, stock build / the same, built like ours"
+    assert ratios[chain]["ratio"] == pytest.approx(speed("stock-chain-b4") / speed("chain-b4"))
+    md = (out / "bench.md").read_text()
+    assert "| llama.cpp native DFlash B=2, stock build |" in md
+    assert "| llama.cpp chain ngram-mod,draft-dflash B=2, stock build |" in md
 
 
 def test_stock_build_without_native_dflash_runs_its_ngram_modes(tiny_target_gguf, tiny_draft_gguf, tmp_path,
