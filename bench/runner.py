@@ -34,7 +34,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from dflash_llama import peers
 from dflash_llama.prompts import Prompt
@@ -191,6 +191,14 @@ def plan_methods(s: Settings, block_size: int, pick: int | None, draft: DraftKin
                                spec_type=f"{CHAINED_NGRAM},{draft.native_type}", stock=stock, anchor_first=af)
                         for k in native_sizes]
     return methods
+
+
+def rounds(items: list, i: int, repeat: int) -> Iterator[tuple[int, list]]:
+    """(round, items in its order) for prompt i: each round rotated one place further than the last,
+    and prompt i's first round i places, so that no method always runs first."""
+    for rep in range(repeat):
+        shift = (i + rep) % len(items)
+        yield rep, items[shift:] + items[:shift]
 
 
 def fastest_run(runs: list[dict]) -> dict:
@@ -410,9 +418,8 @@ class Bench:
             if i and not fits(rows, (time.monotonic() - t0) / i):
                 break
             runs: dict[str, list[dict]] = {m.key: [] for m in methods}
-            for rep in range(self.s.repeat):  # each round in another order
-                shift = (i + rep) % len(methods)
-                for m in methods[shift:] + methods[:shift]:
+            for rep, order in rounds(methods, i, self.s.repeat):
+                for m in order:
                     try:
                         runs[m.key].append(self.run_method(m, p))
                     except peers.PeerError as e:

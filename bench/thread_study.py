@@ -155,7 +155,7 @@ class ThreadStudy:
     def run(self) -> dict:
         from dflash_llama import Runtime
 
-        from .runner import fastest_run
+        from .runner import fastest_run, rounds
 
         s = self.s
         out = []
@@ -166,9 +166,8 @@ class ThreadStudy:
                 rows = []
                 for i, p in enumerate(self.prompts):
                     runs: dict[str, list[dict]] = {a.key: [] for a in self.arms}
-                    for rep in range(self.repeat):  # each round in another order
-                        shift = (i + rep) % len(self.arms)
-                        for a in self.arms[shift:] + self.arms[:shift]:
+                    for _, order in rounds(self.arms, i, self.repeat):
+                        for a in order:
                             runs[a.key].append(self._ours(rts[a.key], p) if a.tool == "dflash-llama"
                                                else self._llama(a, p))
                             self.progress(1, f"threads, {busy} busy: {p.id} {a.key}")
