@@ -785,16 +785,23 @@ def ratios(rows: list[dict], methods: list[Method], block_size: int) -> list[dic
     for stock in (False, True):
         best = fastest(rows, [m for m in methods if m.impl == "llama.cpp" and m.stock == stock])
         if best is not None:
-            out.append(pair("runtime-auto", best.key, f"our default loop / the fastest llama.cpp mode"
-                                                      f"{' of the stock build' if stock else ''} ({best.label})"))
-            out.append(pair("runtime-auto", best.key, f"our default loop / the fastest llama.cpp mode"
-                                                      f"{' of the stock build' if stock else ''} ({best.label}), "
-                                                      "at equal length", equal_length=True))
+            mode = f"our default loop / the fastest llama.cpp mode{' of the stock build' if stock else ''} " \
+                   f"({best.label}{_inexact_note(rows, best.key)})"
+            out.append(pair("runtime-auto", best.key, mode))
+            out.append(pair("runtime-auto", best.key, f"{mode}, at equal length", equal_length=True))
     out.append(pair("runtime-auto", "runtime-auto-no-confidence",
                     "our default loop / the same without its confidence gate"))
     out.append(pair("stock-spec-ar", "llama-spec-ar", "stock build / built like ours, no drafts"))
     out.append(pair("runtime-ar", "llama-completion", "our autoregressive / llama-completion"))
     return [r for r in out if r is not None]
+
+
+def _inexact_note(rows: list[dict], key: str) -> str:
+    """For a ratio's label: how many of a method's rows were not exact (its text not its reference's);
+    the fastest mode is chosen by speed alone, and a fast mode that is not exact is named as such."""
+    rs = [r for r in rows if r["method"] == key]
+    inexact = sum(r.get("exact") is False for r in rs)
+    return f"; NOT EXACT on {inexact} of {len(rs)} prompts" if inexact else ""
 
 
 def fastest(rows: list[dict], methods: list[Method]) -> Method | None:

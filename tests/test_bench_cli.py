@@ -218,6 +218,12 @@ def test_a_tool_that_decodes_past_n_is_met_at_equal_length(tiny_target_gguf, tin
     assert equal["median_prompt_ratio"] == pytest.approx((1.0 + 0.8) / 2)
     # over all tokens: ours 11 + 39 tokens in 110 + 243.75 ms, theirs 12 + 39 in 120 + 195 ms
     assert equal["ratio"] == pytest.approx((50 / 353.75) / (51 / 315.0))
+    # the fastest mode is chosen by speed, exact or not: one that is not is named so in both labels
+    synthetic[3]["exact"] = False
+    by = {r["what"]: r["ratio"] for r in ratios(synthetic, methods[2:], rt.block_size)}
+    assert by[f"our default loop / the fastest llama.cpp mode ({label}; NOT EXACT on 1 of 2 prompts)"] == plain["ratio"]
+    assert f"our default loop / the fastest llama.cpp mode ({label}; NOT EXACT on 1 of 2 prompts), at equal length " \
+           "(1 of 2 prompts past -n)" in by
 
 
 def test_cost_model(bench_run):
