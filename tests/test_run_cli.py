@@ -58,7 +58,7 @@ def test_run_defaults_to_the_adaptive_loop(capsys, cache):
     m = re.search(r"\nsteps: +(\d+) plain, (\d+) draft \(tau \d+\.\d\d\), (\d+) n-gram \(acc \d\.\d\d\)\n", err)
     assert m and int(m.group(1)) == plain and sum(map(int, m.groups())) == steps, err
     # the speeds compared: runs that do not stream, in mirrored order (a second round while short)
-    timed = re.search(r"speedup \d+\.\d+x \(DFlash [\d.]+ / autoregressive [\d.]+ tok/s, each timed (\d) times: "
+    timed = re.search(r"speedup \d+\.\d+x \(speculative [\d.]+ / autoregressive [\d.]+ tok/s, each timed (\d) times: "
                       r"(A D D A(?: D A A D)?)\)", err)
     assert timed and int(timed.group(1)) == timed.group(2).count("D"), err
 

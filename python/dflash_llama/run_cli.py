@@ -105,7 +105,7 @@ def main(args: argparse.Namespace) -> int:
     spec = stream.result
     print("\n", flush=True)
     s = spec.stats
-    print(f"DFlash:          {s.n_generated} tokens, {len(spec.steps)} target verifies, tau {spec.tau:.2f}, "
+    print(f"speculative:     {s.n_generated} tokens, {len(spec.steps)} target verifies, tau {spec.tau:.2f}, "
           f"{s.tokens_per_second:.1f} tok/s (streamed)", file=sys.stderr)
     acceptance = " ".join(f"{a:.2f}" for a in spec.acceptance_by_position)
     print(f"acceptance by block position: {acceptance or 'none (no drafted token was verified)'}", file=sys.stderr)
@@ -147,7 +147,7 @@ def main(args: argparse.Namespace) -> int:
     dflash, plain = pooled_speed(runs["D"]), pooled_speed(runs["A"])
     speedup = dflash / plain if plain else 0.0
     print(f"exact: yes (identical to the target's greedy output); speedup {speedup:.2f}x "
-          f"(DFlash {dflash:.1f} / autoregressive {plain:.1f} tok/s, each timed {len(runs['D'])} times: "
+          f"(speculative {dflash:.1f} / autoregressive {plain:.1f} tok/s, each timed {len(runs['D'])} times: "
           f"{' '.join(order)})", file=sys.stderr)
     return 0
 
