@@ -713,6 +713,41 @@ def _missing_key(log: str) -> str:
     return m.group(0) if m else (log.strip().splitlines() or ["ok"])[-1]
 
 
+
+# --- llama-speculative-simple's generation budget -----------------------------------------------------
+
+U18_PREDICT = 20  # -n
+U18_DRAFT = 16    # --spec-draft-n-max
+
+
+def u18_decoded(exe=None, n_predict: int = U18_PREDICT) -> tuple[int, str]:
+    """llama-speculative-simple (`exe`: another build of it) with the tiny target as its own draft
+    (every drafted token accepted), --spec-draft-n-max U18_DRAFT: the tokens it says it decoded, and
+    its text."""
+    from dflash_llama import peers
+
+    from . import registry
+
+    _, target = registry.tiny_target(registry.cache_dir())
+    r = peers.run_tool(peers.speculative_command(target, PROMPT, n_predict, "draft-simple", draft=target,
+                                                 n_max=U18_DRAFT, threads=1, n_ctx=256, exe=exe))
+    m = re.search(r"n_predict = (\d+)", r.stderr)
+    if not r.ok or m is None:
+        raise RuntimeError(f"llama-speculative-simple exited with {r.returncode}: {_last(r, 'error')}")
+    return int(m.group(1)), r.stdout
+
+
+def u18_draft_past_n_predict() -> bool:
+    """U18: llama-speculative-simple stops once it has decoded more than -n tokens, and asks each step
+    for a draft of at most the tokens left minus one; one token before the end that is 0, which
+    common_speculative_draft reads as no limit (it cuts a draft only when n_max > 0), so the last step
+    drafts its whole --spec-draft-n-max (ngram-mod: 64) and the tool decodes up to that many tokens
+    past -n, which its speed counts (the last ones its cheapest)."""
+    n, _ = u18_decoded()
+    print(f"U18: llama-speculative-simple -n {U18_PREDICT} --spec-type draft-simple --spec-draft-n-max {U18_DRAFT}, "
+          f"the target as its own draft: decoded {n} tokens (plain decoding stops at {U18_PREDICT + 1})")
+    return n > U18_PREDICT + 1
+
 # --- suspected, refuted by a run: not findings (docs/variants.md) -------------------------------------
 
 def s5_markov_bias_skipped() -> bool:
@@ -740,7 +775,8 @@ REFUTED = {"S5": s5_markov_bias_skipped}
 
 FINDINGS.update({"U12": u12_dspark_own_head_dropped, "U13": u13_speculators_layout_guessed,
                  "U14": u14_anchor_first_dflash_as_draft_dflash, "U15": u15_specforge_markov_type_unread,
-                 "U16": u16_conf_min_flag, "U17": u17_speculators_dspark_defaults})
+                 "U16": u16_conf_min_flag, "U17": u17_speculators_dspark_defaults,
+                 "U18": u18_draft_past_n_predict})
 
 
 if __name__ == "__main__":

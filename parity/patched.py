@@ -294,6 +294,8 @@ def _u10_pair(patched: Build, pair: str, n_maxes: tuple[int, ...]) -> dict:
             starts.append(len(full) - 1)
             full += drafted[:k] + [last]
         feats = rt.capture(full)
+        # the steps that drafted (with U18's patch the last ones, their budget spent, draft nothing)
+        steps, starts = zip(*[(s, t) for s, t in zip(steps, starts) if s[0]]) if steps else ((), ())
         same = {"pinned": 0, "patched": 0}
         for (drafted, _, _), t in zip(steps, starts):
             want = drafted_tokens(reference_trace(ref_draft, feats[:t], [full[t]] + [mask] * (B - 1)), rt.n_vocab)[:n]
@@ -421,12 +423,29 @@ def show_u11(patched: Build, runs: int = 6) -> dict:
     return out
 
 
+
+def show_u18(patched: Build) -> dict:
+    """U18 before and after: llama-speculative-simple -n 20 with a draft that is always accepted
+    (findings.u18_decoded): the pinned tool decodes past -n at its last step, the patched one stops
+    where plain decoding does, with the same text up to there."""
+    from . import findings
+
+    out: dict = {"lines": []}
+    for name, exe in (("pinned", None), ("patched", patched.tool("llama-speculative-simple"))):
+        out[name], out[f"{name}_text"] = findings.u18_decoded(exe)
+        out["lines"].append(f"{name:8s} llama-speculative-simple -n {findings.U18_PREDICT} --spec-draft-n-max "
+                            f"{findings.U18_DRAFT}, every draft accepted: {out[name]} tokens decoded")
+    same = out["pinned_text"].startswith(out["patched_text"].rstrip())
+    out["fixed"] = out["pinned"] > findings.U18_PREDICT + 1 and out["patched"] == findings.U18_PREDICT + 1 and same
+    return out
+
 SHOW = {"U1": ("u1-dflash-default-target-layers.patch", show_u1), "U2": ("u2-dflash-last-layer-tap.patch", show_u2),
         "U3": ("u3-dflash-causal-sliding-layers.patch", show_u3),
         "U4": ("u4-dflash1-logit-scale.patch", show_u4), "U5": ("u5-dflash-full-block.patch", show_u5),
         "U7": ("u7-gemma3-layer-inputs.patch", show_u7), "U9": ("u9-dflash-speculators-format.patch", show_u9),
         "U10": ("u10-dflash2-full-block.patch", show_u10),
-        "U11": ("u11-recurrent-snapshots-follow-moved-cells.patch", show_u11)}
+        "U11": ("u11-recurrent-snapshots-follow-moved-cells.patch", show_u11),
+        "U18": ("u18-speculative-simple-spent-budget.patch", show_u18)}
 
 # patches written and checked on a copy of the pinned tree, not in the series yet: patch -> its findings
 PROPOSED: dict[str, tuple[str, ...]] = {

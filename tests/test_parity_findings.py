@@ -58,8 +58,14 @@ def test_main_counts_and_refuses_unknown(capsys):
     assert findings.main(["U4", "U5"]) == 2
     assert capsys.readouterr().out.count("REPRODUCED") == 2
     assert findings.main(["U99"]) == 255
-    assert "unknown finding(s) U99; known: U1, U2, U3, U4, U5, U7, U9, U10, U11, U12, U13, U14, U15, U16, U17" in \
+    assert "unknown finding(s) U99; known: U1, U2, U3, U4, U5, U7, U9, U10, U11, U12, U13, U14, U15, U16, U17, U18" in \
         capsys.readouterr().err
+
+
+def test_u18_speculative_simple_drafts_past_n_predict(capsys):
+    assert findings.u18_draft_past_n_predict()
+    assert "-n 20 --spec-type draft-simple --spec-draft-n-max 16, the target as its own draft: decoded 37 tokens " \
+        "(plain decoding stops at 21)" in capsys.readouterr().out
 
 
 def test_u5_patch_applies_to_the_pinned_tree():

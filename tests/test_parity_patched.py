@@ -43,7 +43,7 @@ def test_series_names_every_patch_in_order():
                      "u3-dflash-causal-sliding-layers.patch", "u4-dflash1-logit-scale.patch",
                      "u5-dflash-full-block.patch", "u7-gemma3-layer-inputs.patch",
                      "u9-dflash-speculators-format.patch", "u10-dflash2-full-block.patch",
-                     "u11-recurrent-snapshots-follow-moved-cells.patch"]
+                     "u11-recurrent-snapshots-follow-moved-cells.patch", "u18-speculative-simple-spent-budget.patch"]
     assert sorted(names + list(patched.PROPOSED)) == sorted(p.name for p in patched.PATCHES.glob("*.patch"))
     assert {f for fs in patched.PROPOSED.values() for f in fs} <= set(patched.UNPATCHED)
     assert {f: patch for f, (patch, _) in patched.SHOW.items()} == {
@@ -56,7 +56,8 @@ def test_series_names_every_patch_in_order():
 def test_series_builds_only_the_touched_units_then_comes_from_the_cache(build):
     build, first_log = build
     assert sorted(m for m in first_log if m.startswith("compiling")) == [
-        "compiling patched common/speculative.cpp", "compiling patched src/llama-graph.cpp",
+        "compiling patched common/speculative.cpp",
+        "compiling patched examples/speculative-simple/speculative-simple.cpp", "compiling patched src/llama-graph.cpp",
         "compiling patched src/llama-kv-cache.cpp", "compiling patched src/llama-memory-recurrent.cpp",
         "compiling patched src/llama-model.cpp",
         "compiling patched src/models/dflash.cpp", "compiling patched src/models/gemma3.cpp"]
@@ -121,13 +122,22 @@ def test_u10_dflash2_drafts_from_its_trained_block(build):
     u10 = patched.show_u10(build)
     steps = {p: {b: {n: (u10[p][b][n]["same_as_reference"], u10[p][b][n]["steps"], u10[p][b][n]["exact"])
                      for n in (3, 7)} for b in ("pinned", "patched")} for p in patched.U10_PAIRS}
-    assert steps == {"tiny-dflash2-f32": {"pinned": {3: (0, 9, True), 7: (9, 9, True)},
-                                          "patched": {3: (9, 9, True), 7: (9, 9, True)}},
-                     "tiny-dflash2-llama-f32": {"pinned": {3: (0, 9, True), 7: (0, 9, True)},
-                                                "patched": {3: (9, 9, True), 7: (9, 9, True)}}}
+    # -n 8, every draft rejected: 9 verifies, the last two with the budget spent (U18's patch: no draft)
+    assert steps == {"tiny-dflash2-f32": {"pinned": {3: (0, 7, True), 7: (7, 7, True)},
+                                          "patched": {3: (7, 7, True), 7: (7, 7, True)}},
+                     "tiny-dflash2-llama-f32": {"pinned": {3: (0, 7, True), 7: (0, 7, True)},
+                                                "patched": {3: (7, 7, True), 7: (7, 7, True)}}}
     assert u10["fixed"]
     assert ("patched  tiny-dflash2-llama-f32 (trained block 16) --spec-draft-n-max 3, a block of 16: drafts equal "
-            "the reference's trained-block walk at 9/9 steps; the tool's greedy text exact") in u10["lines"]
+            "the reference's trained-block walk at 7/7 steps; the tool's greedy text exact") in u10["lines"]
+
+
+def test_u18_speculative_simple_stops_at_n_predict(build):
+    """A tool's own source (the example's main file) is patched too, and linked into that tool only."""
+    build, _ = build
+    out = patched.show_u18(build)
+    # -n 20, drafts of 16 always accepted: 17, 20, then the last step drafts 16 more on the pinned tool
+    assert (out["pinned"], out["patched"], out["fixed"]) == (37, 21, True)
 
 
 def test_u3_sliding_layers_draft_as_our_runtime(build):

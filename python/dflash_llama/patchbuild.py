@@ -8,7 +8,8 @@ translation units the patches touch compile, each with the exact command of our 
 compile, so changing one patch of the series recompiles only its files; the tools
 (`llama-speculative-simple`, `llama-server`, and on request our extension module `_core`, for
 `use_core`) are linked from them and the build's other objects, each object only into what links
-its library. The build is laid out as a native folder (the module, `bin/`, `llama.cpp/`).
+its library (a tool's own source, such as an example's main file, only into that tool). The build
+is laid out as a native folder (the module, `bin/`, `llama.cpp/`).
 Headers a patch touches are seen by the touched files only (enough for the series shipped here).
 The patched converter is the copy's own `convert_hf_to_gguf.py`. What each patch fixes, shown
 before and after: `dflash_llama.parity.patched`.
@@ -160,8 +161,9 @@ def patched_build(patches: list[Path] | Path | None = None, tools: tuple[str, ..
         (tmp / "bin").mkdir()
         for tool in tools:
             log(f"linking patched {tool}")
-            mine = [o for o, archive in objects if toolbuild.links(build, tool, archive)]
-            toolbuild.link_tool(build, tool, mine, tmp / outputs[tool].relative_to(work), f"patched {tool}")
+            mine = [(o, holder) for o, holder in objects if toolbuild.links(build, tool, holder)]
+            toolbuild.link_tool(build, tool, [o for o, _ in mine], tmp / outputs[tool].relative_to(work),
+                                f"patched {tool}", replaces=tuple(h for _, h in mine if h.endswith(".o")))
         if toolbuild.CORE in tools:  # the module finds its tools in bin/: the unpatched ones are the pinned
             from dflash_llama.paths import PEER_TOOLS
 
@@ -178,7 +180,8 @@ def patched_build(patches: list[Path] | Path | None = None, tools: tuple[str, ..
 def _objects(build: Path, files: list[str], copy: Path, work: Path, objects_dir: Path, log) -> list[tuple[str, str]]:
     """The objects of the translation units that compile the patched `files` (a file our build
     compiles inside a unity source: that unity source, once), each cached by its command and the
-    patched sources it compiles, with the static library each replaces a member of."""
+    patched sources it compiles, with what of our build each replaces (toolbuild.archive_of: a member
+    of a static library, or a tool's own object)."""
     pinned = toolbuild.PINNED.resolve()
     commands = toolbuild.compile_commands(build)
     headers = [rel for rel in files if not rel.endswith((".c", ".cpp", ".py"))]

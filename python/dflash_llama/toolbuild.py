@@ -106,19 +106,25 @@ def link_rule(build: Path, tool: str) -> re.Match:
 
 
 def archive_of(build: Path, entry: dict) -> str:
-    """The static library of our build (path relative to `build`) that holds the object `entry`
-    (a compile_commands.json entry) compiles."""
+    """What of our build holds the object `entry` (a compile_commands.json entry) compiles, as a path
+    relative to `build`: the static library it is a member of, or the object itself where a tool
+    links it on its own (a tool's main source, e.g. examples/speculative-simple/speculative-simple.cpp)."""
     obj = os.path.relpath(entry["output"], entry["directory"]) if "output" in entry else None
-    m = obj and re.search(rf"^build (\S+\.a): \w*STATIC_LIBRARY_LINKER\S*[^\n]* {re.escape(obj)}(?=[ \n])",
-                          _ninja(build), re.M)
-    if not m:
-        raise ValueError(f"{entry['file']}: its object is in no static library of our build")
-    return m.group(1)
+    ninja = _ninja(build)
+    m = obj and re.search(rf"^build (\S+\.a): \w*STATIC_LIBRARY_LINKER\S*[^\n]* {re.escape(obj)}(?=[ \n])", ninja, re.M)
+    if m:
+        return m.group(1)
+    if obj and re.search(rf"^build \S+: CXX_\w*LINKER\S* (?:\S+\.o )*{re.escape(obj)}(?=[ \n])", ninja, re.M):
+        return obj
+    raise ValueError(f"{entry['file']}: its object is in no static library of our build and no tool's own objects")
 
 
-def links(build: Path, tool: str, archive: str) -> bool:
-    """Whether `tool` links the static library `archive` (as archive_of names it)."""
-    return archive in _link_variables(link_rule(build, tool))["LINK_LIBRARIES"].split()
+def links(build: Path, tool: str, holder: str) -> bool:
+    """Whether `tool` links `holder` (as archive_of names it: a static library, or one of its own objects)."""
+    m = link_rule(build, tool)
+    if holder.endswith(".o"):
+        return holder in m.group(2).split()
+    return holder in _link_variables(m)["LINK_LIBRARIES"].split()
 
 
 def link_name(build: Path, tool: str) -> str:
@@ -126,14 +132,15 @@ def link_name(build: Path, tool: str) -> str:
     return Path(link_rule(build, tool).group(1)).name
 
 
-def link_tool(build: Path, tool: str, objects: list[str], exe: Path, what: str) -> Path:
-    """Link `tool` as our build links it, with `objects` ahead of the build's libraries."""
+def link_tool(build: Path, tool: str, objects: list[str], exe: Path, what: str, replaces: tuple[str, ...] = ()) -> Path:
+    """Link `tool` as our build links it, with `objects` ahead of the build's libraries, in place of
+    its own objects `replaces` (paths relative to `build`, as archive_of names them)."""
     m = link_rule(build, tool)
     variables = _link_variables(m)
     libs = [str(build / x) if not x.startswith(("-", "/")) else x for x in variables["LINK_LIBRARIES"].split()]
     flags = variables.get("FLAGS", "").split() if tool != CORE else \
         ["-fPIC", *variables.get("LANGUAGE_COMPILE_FLAGS", "").split(), *variables.get("LINK_FLAGS", "").split()]
-    own = [str(build / o) for o in m.group(2).split()]
+    own = [str(build / o) for o in m.group(2).split() if o not in replaces]
     cmd = ["g++", *flags, *own, *objects, *libs, "-o", str(exe)]
     r = subprocess.run(cmd, cwd=build, capture_output=True, text=True)
     if r.returncode != 0:
