@@ -311,6 +311,7 @@ void bind_engine(nb::module_ & m) {
                  return nb::make_tuple(c->verify, c->draft, c->head_row);
              }, "block_size"_a)
         .def("forget_policy", &engine::forget_policy)
+        .def("remeasure_threads", &engine::remeasure_threads)
         .def("generate", &engine::generate, "prompt"_a, "params"_a, "on_tokens"_a.none() = nb::none(),
              nb::call_guard<nb::gil_scoped_release>())
         .def("autoregressive", &engine::autoregressive, "prompt"_a, "params"_a, "on_tokens"_a.none() = nb::none(),

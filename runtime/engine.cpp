@@ -80,6 +80,7 @@ void engine::set_threads(int32_t n_threads) {
 void engine::ensure_threads() {
     if (!threads_due_) return;
     threads_due_ = false;
+    const int32_t before = threads_.measured ? threads_.n_threads : 0;  // 0: the first measurement
     const int32_t n_hw = (int32_t) std::max(1u, std::thread::hardware_concurrency());
     std::vector<int32_t> counts = { 1 };
     for (const int32_t c : { 2, n_hw }) {
@@ -116,6 +117,9 @@ void engine::ensure_threads() {
         if (t.cost(i) < t.cost(pick)) pick = i;
     }
     set_threads(counts[pick]);
+    if (before != 0 && counts[pick] != before) {  // measured again, and another count won
+        for (auto & [block, memory] : policy_memory_) memory = policy_memory{};  // costs learned at the old count
+    }
     t.n_threads    = counts[pick];
     t.measured     = true;
     t.measurements = threads_.measurements + 1;
@@ -125,10 +129,7 @@ void engine::ensure_threads() {
 void engine::check_drift(double plain_ms, int32_t n_plain) {
     if (!threads_.measured || n_plain < kDriftSteps || plain_ms <= 0.0) return;
     const size_t i = std::find(threads_.counts.begin(), threads_.counts.end(), threads_.n_threads) - threads_.counts.begin();
-    if (i < threads_.plain_ms.size() && plain_ms > kDrift * threads_.plain_ms[i]) {
-        threads_due_ = true;
-        for (auto & [block, memory] : policy_memory_) memory = policy_memory{};  // learned at the old count
-    }
+    if (i < threads_.plain_ms.size() && plain_ms > kDrift * threads_.plain_ms[i]) threads_due_ = true;
 }
 
 generate_result engine::generate(const std::vector<int32_t> & prompt, const generate_params & params,

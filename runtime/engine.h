@@ -6,8 +6,10 @@
 // generation and keeps the fastest (ggml's threads wait for each
 // other: when another process holds a core, fewer threads decode faster). When a generation's plain
 // steps run kDrift times slower than measured, over kDriftSteps of them or more, it measures again
-// (and the adaptive loop's step costs with it) before the next generation. Else target.n_threads
-// as given (0 or -1: all hardware threads, as llama.cpp).
+// before the next generation; only when that picks another count does the adaptive loop measure its
+// step costs again and start over (what it learned at the count still in use stays: learning it
+// again costs probes, a large share of a short generation). Else target.n_threads as given (0 or -1:
+// all hardware threads, as llama.cpp).
 #pragma once
 
 #include "draft_graph.h"
@@ -70,6 +72,8 @@ public:
 
     // The thread count in use and why (before the first generation: as given, or all CPUs until measured).
     const thread_choice & threads() const { return threads_; }
+    // Measure the thread count again before the next generation, as after a drift (no-op when given).
+    void remeasure_threads() { threads_due_ = threads_.measured; }
 
     static constexpr double  kDrift      = 1.5;  // plain steps this much slower than measured: measure again
     static constexpr int32_t kDriftSteps = 8;    // over at least this many plain steps of a generation

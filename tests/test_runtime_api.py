@@ -130,6 +130,27 @@ def test_threads_are_measured_unless_given(tiny_target_gguf, tiny_draft_gguf):
     assert "threads" not in given.to_json()
 
 
+def test_threads_measured_again_keep_what_the_loop_learned_if_the_count_stays(tiny_target_gguf, tiny_draft_gguf):
+    """Measured again (as after a drift), the adaptive loop keeps its step costs and what it learned
+    when the same count wins, and measures its costs again when another does (which one wins is the
+    machine's business: both outcomes are checked for what they must do)."""
+    rt = dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_ctx=128)
+    first = rt.generate("def f(x):", 6)
+    costs = rt.step_costs()
+    assert first.policy.calibration_ms > 0 and first.threads.measurements == 1
+    rt.remeasure_threads()
+    again = rt.generate("def f(x):", 6)
+    assert again.threads.measurements == 2 and again.tokens == first.tokens
+    if again.threads.n_threads == first.threads.n_threads:
+        assert again.policy.calibration_ms == 0 and rt.step_costs() == costs
+    else:
+        assert again.policy.calibration_ms > 0
+    assert rt.generate("def f(x):", 6).threads.measurements == 2  # once per request
+    given = dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=1, n_ctx=128)
+    given.remeasure_threads()
+    assert given.generate("def f(x):", 4).threads.line() == "1 (as given)"
+
+
 def test_step_costs_are_measured_once_per_block_size(tiny_target_gguf, tiny_draft_gguf):
     rt = dflash_llama.Runtime(tiny_target_gguf, tiny_draft_gguf, n_threads=1, n_ctx=128)
     assert rt.step_costs() is None  # nothing measured before the first adaptive generation

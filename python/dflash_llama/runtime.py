@@ -417,6 +417,13 @@ class Runtime:
         would (the step costs measured before the first generation are kept)."""
         self._compute.call(self._engine.forget_policy)
 
+    def remeasure_threads(self) -> None:
+        """Measure the thread count again before the next generation, as the Runtime does itself when
+        its plain steps drift slower than measured (no-op when n_threads was given). What the adaptive
+        loop learned is kept if the same count wins, and dropped (step costs measured again) if another
+        does."""
+        self._compute.call(self._engine.remeasure_threads)
+
     def step_costs(self, block_size: int | None = None) -> dict | None:
         """What the adaptive loop measured on this machine before its first generation at this block
         size (default: the draft's): `verify_ms[k]`, one target decode of k tokens (k = 1: a plain
