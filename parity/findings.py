@@ -748,6 +748,24 @@ def u18_draft_past_n_predict() -> bool:
           f"the target as its own draft: decoded {n} tokens (plain decoding stops at {U18_PREDICT + 1})")
     return n > U18_PREDICT + 1
 
+
+def u19_block_past_ubatch() -> bool:
+    """U19: draft-dflash decodes each drafting sequence's whole block (n_max + 1 tokens) in one batch,
+    every sequence of the step in the same batch (llama-server: every slot drafting at once), and the
+    draft context takes the target's -ub; a non-causal batch must fit one ubatch
+    (`GGML_ASSERT(... "non-causal attention requires n_ubatch >= n_tokens")` in llama_context), so a
+    block, or the blocks of the slots drafting together, longer than -ub aborts the process. Shown
+    with the tool: -ub 7 under a block of 8 (the server dies the same way at -np 4 -ub 16)."""
+    from dflash_llama import peers
+
+    target, draft = registry_fixture("tiny-f32")
+    runs = {ub: peers.run_tool(peers.speculative_command(target, PROMPT, 8, "draft-dflash", draft=draft, n_max=7,
+                                                         threads=1, n_ctx=256, extra_args=["-ub", str(ub)]))
+            for ub in (8, 7)}
+    print(f"U19: llama-speculative-simple --spec-type draft-dflash --spec-draft-n-max 7 (a block of 8): -ub 8 exit "
+          f"code {runs[8].returncode}; -ub 7 exit code {runs[7].returncode}: {_last(runs[7], 'GGML_ASSERT')}")
+    return runs[8].ok and runs[7].returncode != 0 and "non-causal attention requires n_ubatch" in runs[7].stderr
+
 # --- suspected, refuted by a run: not findings (docs/variants.md) -------------------------------------
 
 def s5_markov_bias_skipped() -> bool:
@@ -776,7 +794,7 @@ REFUTED = {"S5": s5_markov_bias_skipped}
 FINDINGS.update({"U12": u12_dspark_own_head_dropped, "U13": u13_speculators_layout_guessed,
                  "U14": u14_anchor_first_dflash_as_draft_dflash, "U15": u15_specforge_markov_type_unread,
                  "U16": u16_conf_min_flag, "U17": u17_speculators_dspark_defaults,
-                 "U18": u18_draft_past_n_predict})
+                 "U18": u18_draft_past_n_predict, "U19": u19_block_past_ubatch})
 
 
 if __name__ == "__main__":

@@ -461,6 +461,7 @@ UNPATCHED: dict[str, str] = {
     "U15": "patches/u13-u15-u17-dspark-converter.patch, not in the series yet",
     "U16": "patches/u16-dspark-docs-p-min.patch (docs only), not in the series yet",
     "U17": "patches/u13-u15-u17-dspark-converter.patch, not in the series yet",
+    "U19": "the fix sizes the draft context's ubatch for every slot's block (or splits the blocks): not written",
 }
 
 

@@ -58,14 +58,20 @@ def test_main_counts_and_refuses_unknown(capsys):
     assert findings.main(["U4", "U5"]) == 2
     assert capsys.readouterr().out.count("REPRODUCED") == 2
     assert findings.main(["U99"]) == 255
-    assert "unknown finding(s) U99; known: U1, U2, U3, U4, U5, U7, U9, U10, U11, U12, U13, U14, U15, U16, U17, U18" in \
-        capsys.readouterr().err
+    known = "U1, U2, U3, U4, U5, U7, U9, U10, U11, U12, U13, U14, U15, U16, U17, U18, U19"
+    assert f"unknown finding(s) U99; known: {known}" in capsys.readouterr().err
 
 
 def test_u18_speculative_simple_drafts_past_n_predict(capsys):
     assert findings.u18_draft_past_n_predict()
     assert "-n 20 --spec-type draft-simple --spec-draft-n-max 16, the target as its own draft: decoded 37 tokens " \
         "(plain decoding stops at 21)" in capsys.readouterr().out
+
+
+def test_u19_a_block_longer_than_the_ubatch_aborts(capsys):
+    assert findings.u19_block_past_ubatch()
+    out = capsys.readouterr().out
+    assert "(a block of 8): -ub 8 exit code 0; -ub 7 exit code -6: " in out and "n_ubatch >= n_tokens" in out
 
 
 def test_u5_patch_applies_to_the_pinned_tree():
