@@ -439,13 +439,63 @@ def show_u18(patched: Build) -> dict:
     out["fixed"] = out["pinned"] > findings.U18_PREDICT + 1 and out["patched"] == findings.U18_PREDICT + 1 and same
     return out
 
+
+U19_SERVER = dict(n_parallel=4, ubatch=16, n_predict=16)  # 4 slots x blocks of 8 = 32 tokens > -ub 16
+
+
+def show_u19(patched: Build) -> dict:
+    """U19 before and after: llama-speculative-simple with a block of 8 at -ub 7 (pinned: the
+    assert; patched: one line, no drafts, the plain text), and llama-server with 4 slots drafting blocks
+    of 8 together at -ub 16 (pinned: dies at the first requests; patched: serves, every text the plain
+    target's)."""
+    from pathlib import Path as _Path
+
+    from dflash_llama import peers
+    from dflash_llama.bench import server, serving_check
+
+    from . import findings
+    from .registry import cache_dir
+
+    target, draft = findings.registry_fixture("tiny-f32")
+    out: dict = {"lines": []}
+    plain = peers.run_tool(peers.speculative_command(target, findings.PROMPT, 8, "draft-dflash", draft=draft, n_max=0,
+                                                     threads=1, n_ctx=256))
+    pair = serving_check.fixture_pair(_Path(cache_dir()) / "finding-u19", "qwen3")
+    prompts = [(str(i), t) for i, t in enumerate(serving_check.PROMPTS)]
+    ref = serving_check.serve(*pair[:1], None, serving_check.PROMPTS, n_predict=U19_SERVER["n_predict"], n_max=None,
+                              parallel=1, threads=1).texts
+    for name, exe in (("pinned", None), ("patched", patched)):
+        r = peers.run_tool(peers.speculative_command(target, findings.PROMPT, 8, "draft-dflash", draft=draft, n_max=7,
+                                                     threads=1, n_ctx=256, extra_args=["-ub", "7"],
+                                                     exe=exe and exe.tool("llama-speculative-simple")))
+        tool = {"exit": r.returncode, "same_as_plain": r.ok and r.stdout == plain.stdout,
+                "said": findings._last(r, "GGML_ASSERT" if r.returncode else "no drafts").split(": ", 1)[-1]}
+        try:
+            with server.LlamaServer(*pair, threads=1, n_ctx=256, n_parallel=U19_SERVER["n_parallel"], n_max=7,
+                                    extra_args=["-ub", str(U19_SERVER["ubatch"])],
+                                    exe=exe and exe.tool("llama-server")) as srv:
+                res = server.load_test(srv.url, prompts, U19_SERVER["n_predict"], U19_SERVER["n_parallel"])
+            served = sum(q.text == ref[int(q.prompt_id)] for q in res.requests)
+        except (OSError, RuntimeError):  # the server died: the connection closed, or it exited
+            served = None
+        out[name] = {"tool": tool, "server_exact": served}
+        out["lines"].append(f"{name:8s} llama-speculative-simple, a block of 8 at -ub 7: exit code {tool['exit']}, "
+                            f"{'text equal to plain decoding' if tool['same_as_plain'] else 'no text'} "
+                            f"({tool['said']}); llama-server -np 4 -ub 16: " + (
+                                "died" if served is None else f"{served} of {len(prompts)} texts the plain target's"))
+    out["fixed"] = (out["pinned"]["tool"]["exit"] != 0 and out["pinned"]["server_exact"] is None
+                    and out["patched"]["tool"]["exit"] == 0 and out["patched"]["tool"]["same_as_plain"]
+                    and out["patched"]["server_exact"] == len(prompts))
+    return out
+
 SHOW = {"U1": ("u1-dflash-default-target-layers.patch", show_u1), "U2": ("u2-dflash-last-layer-tap.patch", show_u2),
         "U3": ("u3-dflash-causal-sliding-layers.patch", show_u3),
         "U4": ("u4-dflash1-logit-scale.patch", show_u4), "U5": ("u5-dflash-full-block.patch", show_u5),
         "U7": ("u7-gemma3-layer-inputs.patch", show_u7), "U9": ("u9-dflash-speculators-format.patch", show_u9),
         "U10": ("u10-dflash2-full-block.patch", show_u10),
         "U11": ("u11-recurrent-snapshots-follow-moved-cells.patch", show_u11),
-        "U18": ("u18-speculative-simple-spent-budget.patch", show_u18)}
+        "U18": ("u18-speculative-simple-spent-budget.patch", show_u18),
+        "U19": ("u19-dflash-blocks-fit-the-ubatch.patch", show_u19)}
 
 # patches written and checked on a copy of the pinned tree, not in the series yet: patch -> its findings
 PROPOSED: dict[str, tuple[str, ...]] = {
@@ -461,7 +511,6 @@ UNPATCHED: dict[str, str] = {
     "U15": "patches/u13-u15-u17-dspark-converter.patch, not in the series yet",
     "U16": "patches/u16-dspark-docs-p-min.patch (docs only), not in the series yet",
     "U17": "patches/u13-u15-u17-dspark-converter.patch, not in the series yet",
-    "U19": "the fix sizes the draft context's ubatch for every slot's block (or splits the blocks): not written",
 }
 
 

@@ -43,7 +43,8 @@ def test_series_names_every_patch_in_order():
                      "u3-dflash-causal-sliding-layers.patch", "u4-dflash1-logit-scale.patch",
                      "u5-dflash-full-block.patch", "u7-gemma3-layer-inputs.patch",
                      "u9-dflash-speculators-format.patch", "u10-dflash2-full-block.patch",
-                     "u11-recurrent-snapshots-follow-moved-cells.patch", "u18-speculative-simple-spent-budget.patch"]
+                     "u11-recurrent-snapshots-follow-moved-cells.patch", "u18-speculative-simple-spent-budget.patch",
+                     "u19-dflash-blocks-fit-the-ubatch.patch"]
     assert sorted(names + list(patched.PROPOSED)) == sorted(p.name for p in patched.PATCHES.glob("*.patch"))
     assert {f for fs in patched.PROPOSED.values() for f in fs} <= set(patched.UNPATCHED)
     assert {f: patch for f, (patch, _) in patched.SHOW.items()} == {
@@ -138,6 +139,16 @@ def test_u18_speculative_simple_stops_at_n_predict(build):
     out = patched.show_u18(build)
     # -n 20, drafts of 16 always accepted: 17, 20, then the last step drafts 16 more on the pinned tool
     assert (out["pinned"], out["patched"], out["fixed"]) == (37, 21, True)
+
+
+def test_u19_blocks_longer_than_the_ubatch_no_longer_abort(build):
+    build, _ = build
+    out = patched.show_u19(build)
+    assert out["fixed"], out["lines"]
+    pinned = out["pinned"]["tool"]
+    assert pinned["exit"] == -6 and "non-causal attention requires n_ubatch" in pinned["said"]
+    assert out["patched"]["tool"]["said"] == "a draft block of 8 tokens does not fit the ubatch of 7 (-ub): no drafts"
+    assert (out["pinned"]["server_exact"], out["patched"]["server_exact"]) == (None, 16)
 
 
 def test_u3_sliding_layers_draft_as_our_runtime(build):
