@@ -225,7 +225,7 @@ void bind_generate_result(nb::module_ & m) {
 
 void engine_init(dflash::engine * self, const std::filesystem::path & target, const std::filesystem::path & draft, int32_t n_threads,
                  int32_t n_ctx, int32_t n_batch, int32_t n_gpu_layers, bool kv_f32, int32_t n_seq, bool compact_draft_head,
-                 bool verbose, bool measure_threads, bool own_head) {
+                 bool verbose, bool measure_threads, bool own_head, bool huge_pages) {
     dflash::engine_params p;
     p.target.path = target.string();
     p.target.n_threads = n_threads;
@@ -235,6 +235,7 @@ void engine_init(dflash::engine * self, const std::filesystem::path & target, co
     p.target.kv_f32 = kv_f32;
     p.target.n_seq = n_seq;
     p.target.own_head = own_head;
+    p.target.huge_pages = huge_pages;
     p.draft_path = draft.string();
     p.compact_draft_head = compact_draft_head;
     p.verbose = verbose;
@@ -281,12 +282,13 @@ void bind_engine(nb::module_ & m) {
     nb::class_<engine>(m, "Engine")
         .def("__init__", &engine_init, "target"_a, "draft"_a, "n_threads"_a, "n_ctx"_a, "n_batch"_a,
              "n_gpu_layers"_a, "kv_f32"_a, "n_seq"_a, "compact_draft_head"_a, "verbose"_a, "measure_threads"_a = false,
-             "own_head"_a = true)
+             "own_head"_a = true, "huge_pages"_a = true)
         .def_prop_ro("has_draft", &engine::has_draft)
         .def_prop_ro("threads", &engine::threads)
         .def_prop_ro("compact_draft_head", [](engine & e) { return e.has_draft() && e.draft().compact_head(); })
         .def_prop_ro("n_ctx", [](engine & e) { return e.target().n_ctx(); })
         .def_prop_ro("output_head", [](engine & e) { return std::string(e.target().head_name()); })
+        .def_prop_ro("huge_page_bytes", [](engine & e) { return e.target().huge_page_bytes(); })
         .def_prop_ro("n_vocab", [](engine & e) { return e.target().n_vocab(); })
         .def_prop_ro("n_embd", [](engine & e) { return e.target().n_embd(); })
         .def_prop_ro("n_layer", [](engine & e) { return e.target().n_layer(); })

@@ -1,6 +1,7 @@
 #include "draft_graph.h"
 
 #include "ggml-cpu.h"
+#include "huge_pages.h"
 #include "llama-model.h"  // the target's tok_embd / output tensors, used in place
 
 #include <algorithm>
@@ -188,6 +189,7 @@ void draft_runner::make_compact_head() {
         }
         ggml_quantize_chunk(to, rows.data(), (char *) head->data + r0 * head->nb[1], 0, nr, n_embd, nullptr);
     }
+    collapse_to_huge_pages(head_buf_);  // read every draft step, as the target's weights are
     head_ = head;
 }
 

@@ -1,5 +1,7 @@
 #include "draft_model.h"
 
+#include "huge_pages.h"
+
 #include "gguf_info.h"
 
 #include "ggml-alloc.h"
@@ -563,6 +565,7 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
             }
         }
     }
+    collapse_to_huge_pages(draft.buf);  // read into anonymous memory: huge pages where the kernel can
 }
 
 void check_draft_fits_target(const draft_model & draft, const llama_model * target) {

@@ -1,5 +1,6 @@
 #include "target.h"
 
+#include "huge_pages.h"
 #include "log.h"
 #include "output_head.h"
 #include "target_check.h"
@@ -7,6 +8,7 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 #include "llama-ext.h"  // llama_{set,get}_embeddings_layer_inp: pinned internal API, as common/speculative.cpp uses
+#include "llama-model.h"  // tensors_by_name: the buffers the weights live in
 
 #include <algorithm>
 #include <chrono>
@@ -87,6 +89,9 @@ target_runner::target_runner(const target_params & params) {
     // tiled switch is an environment variable ggml reads once per process.
     mparams.use_extra_bufts = false;
     setenv("GGML_CPU_TILED_MM", "0", 1);
+    if (params.huge_pages) {
+        mparams.load_mode = LLAMA_LOAD_MODE_NONE;  // read into anonymous memory, which huge pages can back
+    }
     params_ = params;
     model_ = llama_model_load_from_file(params.path.c_str(), mparams);
     if (model_ == nullptr) {
@@ -99,6 +104,17 @@ target_runner::target_runner(const target_params & params) {
     } catch (...) {
         llama_model_free(model_);
         throw;
+    }
+    if (params.huge_pages) {
+        std::vector<ggml_backend_buffer_t> buffers;
+        for (const auto & [name, t] : model_->tensors_by_name) {
+            if (t->buffer != nullptr && std::find(buffers.begin(), buffers.end(), t->buffer) == buffers.end()) {
+                buffers.push_back(t->buffer);
+            }
+        }
+        for (ggml_backend_buffer_t b : buffers) {
+            huge_page_bytes_ += collapse_to_huge_pages(b);
+        }
     }
     vocab_   = llama_model_get_vocab(model_);
     n_embd_  = llama_model_n_embd(model_);

@@ -29,11 +29,14 @@ struct target_params {
     bool    kv_f32       = false;  // f32 KV cache (parity runs); llama.cpp's default is f16
     int32_t n_seq        = 1;      // sequences decoded side by side (batched generation); n_ctx is per sequence
     bool    own_head     = true;   // our output head where the graph allows it (output_head.h); false: llama.cpp's
+    bool    huge_pages   = true;   // weights read into memory backed by huge pages (huge_pages.h); false: mmap
 };
 
 class target_runner {
 public:
     explicit target_runner(const target_params & params);
+    // Bytes of the weights in huge pages (huge_pages.h; 0: none, as with huge_pages off).
+    size_t huge_page_bytes() const { return huge_page_bytes_; }
     ~target_runner();  // out of line: output_head is incomplete here
     target_runner(const target_runner &) = delete;
     target_runner & operator=(const target_runner &) = delete;
@@ -121,6 +124,7 @@ private:
     llama_context *     ctx_   = nullptr;
     const llama_vocab * vocab_ = nullptr;
     int32_t n_ctx_ = 0, n_batch_ = 0, n_embd_ = 0, n_vocab_ = 0, n_layer_ = 0, n_seq_ = 1;
+    size_t  huge_page_bytes_ = 0;
 
     std::vector<std::string> tap_names_;    // per tap: "l_out-L" or "result_norm"
     // per tap, the llama.cpp layer whose input it is (HF id + 1), when the taps are read as graph

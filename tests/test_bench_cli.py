@@ -454,3 +454,18 @@ def test_a_dspark_draft_is_benched_with_and_without_its_confidence_gate(tiny_tar
     gate = next(r for r in res["ratios"] if r["what"] == "our default loop / the same without its confidence gate")
     speed = lambda k: rows[k]["tokens_per_second"]  # noqa: E731 (one prompt: over all tokens = per prompt)
     assert gate["ratio"] == pytest.approx(speed("runtime-auto") / speed("runtime-auto-no-confidence"))
+
+
+def test_huge_pages_bench_runs_both_loads_side_by_side(tiny_target_gguf, tiny_draft_gguf, capsys):
+    from dflash_llama.bench import huge_pages
+
+    rc = huge_pages.main(["-m", str(tiny_target_gguf), "-md", str(tiny_draft_gguf), "--limit", "2", "-n", "6",
+                          "--repeat", "2", "-t", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "exact: yes" in out
+    rows = [ln for ln in out.splitlines() if ln.startswith(("| plain |", "| default loop |"))]
+    assert len(rows) == 2 and all(float(ln.split("|")[4]) > 0 for ln in rows)
+    assert "MiB (huge pages), 0 MiB (mapped)" in out
+    with pytest.raises(SystemExit) as e:
+        huge_pages.main(["--repeat", "0"])
+    assert e.value.code == 2 and "--limit and --repeat must be at least 1 and -n at least 2" in capsys.readouterr().err

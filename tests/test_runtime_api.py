@@ -103,6 +103,47 @@ def test_ngram_steps_are_counted(rt):
     assert rt.generate(text, 4, draft_max=3, ngram=False).policy is None
 
 
+def _kernel_collapses_to_huge_pages() -> bool:
+    """Whether this kernel backs private anonymous memory with huge pages on MADV_COLLAPSE (Linux 6.1+,
+    transparent huge pages not "never"): probed on 4 MiB of our own."""
+    import ctypes
+    import mmap
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                                  ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        size, huge = 6 << 20, 2 << 20
+        base = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        if base in (None, ctypes.c_void_p(-1).value):
+            return False
+        start = (base + huge - 1) & ~(huge - 1)
+        ctypes.memset(start, 1, 2 * huge)
+        ok = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(2 * huge), 25) == 0  # MADV_COLLAPSE
+        libc.munmap(ctypes.c_void_p(base), ctypes.c_size_t(size))
+        return ok
+    except (OSError, AttributeError):
+        return False
+
+
+def test_target_weights_in_huge_pages_compute_the_same_logits(tiny_target_gguf):
+    """The target's weights read into memory and collapsed to huge pages where the kernel can (all but
+    the unaligned ends of the weights buffer), the same logits bit for bit as llama.cpp's mmap of the file."""
+    import os
+
+    huge = dflash_llama.Runtime(tiny_target_gguf, n_threads=1, n_ctx=128)
+    mapped = dflash_llama.Runtime(tiny_target_gguf, n_threads=1, n_ctx=128, huge_pages=False)
+    assert mapped.huge_page_bytes == 0
+    size = os.path.getsize(tiny_target_gguf)
+    if _kernel_collapses_to_huge_pages():
+        assert huge.huge_page_bytes % (2 << 20) == 0 and size - (8 << 20) < huge.huge_page_bytes <= size
+    else:
+        assert huge.huge_page_bytes == 0
+    tokens = huge.tokenize("def f(x):\n    return x")
+    assert np.array_equal(huge.target_logits(tokens), mapped.target_logits(tokens))
+    assert huge.autoregressive("def f(x):", 8).tokens == mapped.autoregressive("def f(x):", 8).tokens
+
+
 def test_threads_are_measured_unless_given(tiny_target_gguf, tiny_draft_gguf):
     """n_threads None: a plain decode and a verify of the draft's block timed at 1, 2 and all CPUs, the
     count of the least plain step + verified token's share kept (which one is the machine's business:

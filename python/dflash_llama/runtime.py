@@ -283,7 +283,7 @@ class Runtime:
     def __init__(self, target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
                  n_threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512, n_gpu_layers: int = 0,
                  kv_f32: bool = False, n_seq: int = 1, compact_draft_head: bool = True, verbose: bool = False,
-                 own_head: bool = True):
+                 own_head: bool = True, huge_pages: bool = True):
         """n_threads: CPU threads (0 or -1: all); None (default): measured before the first generation, the
         fastest of 1, 2 and all for a plain decode and (with a draft) a verify of its block, and again when
         decoding slows down.
@@ -295,7 +295,10 @@ class Runtime:
         own_head: compute the target's output head ourselves, for the logits rows a step reads (a verify
         stops at its first rejection), where its graph ends in one matmul of its final norm and our
         logits equal llama.cpp's bit for bit (checked at the first decode); else llama.cpp's.
-        False: always llama.cpp's (for comparisons)."""
+        False: always llama.cpp's (for comparisons).
+        huge_pages: read the target's weights into memory and back it with huge pages where the kernel
+        can (Linux 6.1+; `huge_page_bytes` says how much): a decode streams every weight each step, and
+        fewer, larger pages make that cheaper. False: llama.cpp's mmap of the file, as its tools load."""
         try:
             from . import _core
         except ImportError as e:
@@ -306,7 +309,8 @@ class Runtime:
                                     c_int("n_threads", 0 if n_threads is None else n_threads), c_int("n_ctx", n_ctx),
                                     c_int("n_batch", n_batch), c_int("n_gpu_layers", n_gpu_layers), bool(kv_f32),
                                     c_int("n_seq", n_seq), bool(compact_draft_head), bool(verbose),
-                                    measure_threads=n_threads is None, own_head=bool(own_head))
+                                    measure_threads=n_threads is None, own_head=bool(own_head),
+                                    huge_pages=bool(huge_pages))
         self._core = _core
         self._compute = _compute_thread()  # every graph of every Runtime runs there, one job at a time
 
@@ -320,6 +324,11 @@ class Runtime:
         """Whose output head computes the target's logits: "ours" (output_head.h), "llama.cpp", or None
         before the first decode has shown which."""
         return self._engine.output_head or None
+
+    @property
+    def huge_page_bytes(self) -> int:
+        """Bytes of the target's weights in huge pages (0: none: huge_pages=False, or not supported here)."""
+        return self._engine.huge_page_bytes
 
     @property
     def compact_draft_head(self) -> bool:

@@ -1,0 +1,105 @@
+"""The target's weights in huge pages against llama.cpp's mmap of the file: side by side, exact.
+
+    python -m dflash_llama.bench.huge_pages [-m TARGET] [-md DRAFT.gguf] [--limit 6] [-n 128] [-t N]
+                                             [--repeat 3]
+
+Two Runtimes of one pair in one process: `Runtime(huge_pages=True)` (the default: the weights read
+into memory and collapsed to huge pages, runtime/huge_pages.h) and `huge_pages=False` (the file
+mapped, as llama.cpp's tools load it). On each prompt both decode plainly and with the default loop,
+`--repeat` times each in alternating order, the fastest run counting (the machine is shared: another
+process only ever slows a run down). Prints, per mode, the speed over all prompts, the median of the
+per-prompt ratios, and whether both Runtimes decoded the same tokens on every prompt and run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from dflash_llama import fixtures, prompts
+from dflash_llama.converter.pair import DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB, DEFAULT_DRAFT, resolve_draft
+
+ARMS = ("huge pages", "mapped")
+MODES = ("plain", "default loop")
+
+
+def measure(target, draft, texts: list[str], n_predict: int, threads: int | None, repeat: int) -> dict:
+    """{(arm, mode): {"tokens_per_second": [fastest per prompt], "tokens": [per prompt]}}, the huge
+    page bytes of each arm, and whether every run of both arms decoded the same tokens."""
+    from dflash_llama import Runtime
+
+    rts = {arm: Runtime(target, draft, n_threads=threads, huge_pages=arm == ARMS[0]) for arm in ARMS}
+    out = {(arm, mode): {"tokens_per_second": [], "tokens": []} for arm in ARMS for mode in MODES}
+    same = True
+    for i, text in enumerate(texts):
+        best: dict = {}
+        for rep in range(repeat):
+            for arm in ARMS if (i + rep) % 2 == 0 else ARMS[::-1]:
+                for mode in MODES:
+                    rt = rts[arm]
+                    g = rt.autoregressive(text, n_predict) if mode == "plain" else rt.generate(text, n_predict)
+                    ms = g.stats.t_total_ms - g.stats.t_prefill_ms
+                    tps = 1000.0 * (g.stats.n_generated - 1) / ms if ms > 0 else 0.0
+                    prev = best.get((arm, mode))
+                    if prev is not None and prev[1] != g.tokens:
+                        same = False
+                    if prev is None or tps > prev[0]:
+                        best[(arm, mode)] = (tps, g.tokens)
+        ref = best[(ARMS[1], "plain")][1]
+        same = same and all(tokens == ref for _, tokens in best.values())
+        for key, (tps, tokens) in best.items():
+            out[key]["tokens_per_second"].append(tps)
+            out[key]["tokens"].append(len(tokens))
+    return {"runs": out, "huge_page_bytes": {arm: rts[arm].huge_page_bytes for arm in ARMS}, "exact": same}
+
+
+def ratios(res: dict) -> dict[str, tuple[float, float]]:
+    """Per mode: huge pages / mapped, over all tokens and as the median of per-prompt ratios."""
+    out = {}
+    for mode in MODES:
+        a, b = res["runs"][ARMS[0], mode], res["runs"][ARMS[1], mode]
+        total = lambda r: sum(r["tokens"]) / sum(n / s for n, s in zip(r["tokens"], r["tokens_per_second"]))  # noqa: E731
+        per = [x / y for x, y in zip(a["tokens_per_second"], b["tokens_per_second"]) if y > 0]
+        out[mode] = (total(a) / total(b), statistics.median(per))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash_llama.bench.huge_pages", description=__doc__.split("\n")[0])
+    p.add_argument("-m", "--model", dest="target", help="target GGUF (default: the shipped SmolLM2)")
+    p.add_argument("-md", "--model-draft", dest="draft",
+                   help="DFlash draft GGUF (default: the shipped draft, converted as `dflash-llama run` does)")
+    p.add_argument("--limit", type=int, default=6, help="HumanEval prompts, spread over the set (default 6)")
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens per generation (default 128)")
+    p.add_argument("-t", "--threads", type=int, help="CPU threads (default: measured, as the runtime does)")
+    p.add_argument("--repeat", type=int, default=3, help="runs of each arm and mode per prompt, the fastest counts "
+                                                         "(default 3)")
+    args = p.parse_args(argv)
+    if args.limit < 1 or args.n_predict < 2 or args.repeat < 1:
+        p.error("--limit and --repeat must be at least 1 and -n at least 2")
+    if args.draft and not Path(args.draft).is_file():
+        p.error(f"-md {args.draft}: no such file")
+    try:
+        target = args.target or fixtures.smollm2_gguf()
+        draft = args.draft or resolve_draft(DEFAULT_DRAFT, target, DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB)
+        texts = [q.text for q in prompts.spread(prompts.humaneval(), args.limit)]
+        res = measure(target, draft, texts, args.n_predict, args.threads, args.repeat)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 1
+    mib = {arm: res["huge_page_bytes"][arm] / 2**20 for arm in ARMS}
+    print(f"weights in huge pages: {mib[ARMS[0]]:.0f} MiB (huge pages), {mib[ARMS[1]]:.0f} MiB (mapped)")
+    print("| mode | huge pages tok/s (median prompt) | mapped tok/s (median prompt) | huge / mapped, all tokens "
+          "| median per prompt |")
+    print("|---|---:|---:|---:|---:|")
+    for mode, (total, median) in ratios(res).items():
+        speed = [statistics.median(res["runs"][arm, mode]["tokens_per_second"]) for arm in ARMS]
+        print(f"| {mode} | {speed[0]:.1f} | {speed[1]:.1f} | {total:.3f} | {median:.3f} |")
+    print(f"exact: {'yes' if res['exact'] else 'NO'} (every run of both Runtimes: the same tokens as plain decoding)")
+    return 0 if res["exact"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
