@@ -293,6 +293,31 @@ def rollback_check(out_dir: str | Path, *, runs: int = 6, n_max: int = 7, n_pred
     return out
 
 
+UBATCH_PARALLEL = 4  # slots drafting together in the ubatch check
+
+
+def ubatch_check(out_dir: str | Path, *, ubatch: int, parallel: int, n_max: int = 7, n_predict: int = 16,
+                 threads: int = 1, exe: str | Path | None = None) -> dict:
+    """The dense tiny fixture pair served at `-np parallel -ub ubatch` with a random draft of blocks of
+    n_max + 1: whether the server lived through PROMPTS (`parallel` in flight) and how many texts are
+    the plain target's (U19: blocks drafted together past -ub abort the pinned server)."""
+    target, draft = fixture_pair(out_dir, "qwen3")
+    prompts = [(str(i), p) for i, p in enumerate(PROMPTS)]
+    ref = serve(target, None, PROMPTS, n_predict=n_predict, n_max=None, parallel=1, threads=threads).texts
+    out = {"ubatch": ubatch, "parallel": parallel, "n_max": n_max, "server": str(exe) if exe else "pinned",
+           "prompts": len(prompts)}
+    try:
+        with server.LlamaServer(target, draft, threads=threads, n_ctx=256, n_parallel=parallel, n_max=n_max,
+                                extra_args=["-ub", str(ubatch)], exe=exe) as srv:
+            res = server.load_test(srv.url, prompts, n_predict, parallel)
+        out["served"] = True
+        out["same_as_plain"] = sum(r.text == ref[int(r.prompt_id)] for r in res.requests)
+    except (OSError, server.ServerError) as e:  # the server died: the connection closed, or it exited
+        out["served"] = False
+        out["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash_llama.bench.serving_check", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("serving-check"),
@@ -309,14 +334,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--patched", action="store_true",
                    help="with --rollback-check: llama-server built from the pinned tree with patches/series "
                         "(built once, cached): U11's patch shown")
-    p.add_argument("--server", type=Path, help="with --rollback-check: this llama-server binary (another build)")
+    p.add_argument("--ubatch-check", type=int, metavar="UB",
+                   help="instead: the dense tiny fixture pair, random draft, at -ub UB with -np 4 (blocks of n-max "
+                        "+ 1 drafted together); writes ubatch_check.json, exit status 1 if the server died")
+    p.add_argument("--server", type=Path,
+                   help="with --rollback-check or --ubatch-check: this llama-server binary (another build)")
     args = p.parse_args(argv)
-    if (args.patched or args.server) and not args.rollback_check:
-        p.error("--patched and --server go with --rollback-check")
+    if (args.patched or args.server) and not (args.rollback_check or args.ubatch_check):
+        p.error("--patched and --server go with --rollback-check or --ubatch-check")
     if args.server and not args.server.is_file():
         p.error(f"--server {args.server}: no such file")
     if args.rollback_check:
         return _print_rollback_check(args)
+    if args.ubatch_check is not None:
+        if args.ubatch_check < 1:
+            p.error(f"--ubatch-check {args.ubatch_check}: expected a ubatch of 1 or more")
+        return _print_ubatch_check(args)
     variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in variants if v not in ("dflash", "dflash2")]
     if bad or not variants:
@@ -342,11 +375,7 @@ def main(argv: list[str] | None = None) -> int:
 def _print_rollback_check(args: argparse.Namespace) -> int:
     """Exit status: 1 when -np 8 changed a text that -np 1 did not, else 0."""
     args.out.mkdir(parents=True, exist_ok=True)
-    exe = args.server
-    if args.patched:
-        from dflash_llama.patchbuild import patched_build
-
-        exe = patched_build().tool("llama-server")
+    exe = patched_server() if args.patched else args.server
     out = rollback_check(args.out, runs=args.rollback_check, n_max=max(args.n_max), n_predict=args.n_predict,
                          threads=args.threads, exe=exe)
     (args.out / "rollback_check.json").write_text(json.dumps(out, indent=1))
@@ -355,6 +384,24 @@ def _print_rollback_check(args: argparse.Namespace) -> int:
         print(f"-np {parallel}, random draft, --spec-draft-n-max {out['n_max']}: {sum(map(bool, runs))} of "
               f"{len(runs)} runs with a text that is not the plain target's (requests per run: {runs})")
     return int(any(out["np8"]) and not any(out["np1"]))
+
+
+def _print_ubatch_check(args: argparse.Namespace) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    exe = patched_server() if args.patched else args.server
+    out = ubatch_check(args.out, ubatch=args.ubatch_check, parallel=UBATCH_PARALLEL, n_max=max(args.n_max),
+                       n_predict=args.n_predict, threads=args.threads, exe=exe)
+    (args.out / "ubatch_check.json").write_text(json.dumps(out, indent=1))
+    print(f"-np {out['parallel']} -ub {out['ubatch']}, random draft, --spec-draft-n-max {out['n_max']}: " + (
+        f"served, {out['same_as_plain']} of {out['prompts']} texts the plain target's" if out["served"]
+        else f"the server died ({out['error']})"))
+    return 0 if out["served"] else 1
+
+
+def patched_server() -> Path:
+    from dflash_llama.patchbuild import patched_build
+
+    return patched_build().tool("llama-server")
 
 
 if __name__ == "__main__":

@@ -440,18 +440,14 @@ def show_u18(patched: Build) -> dict:
     return out
 
 
-U19_SERVER = dict(n_parallel=4, ubatch=16, n_predict=16)  # 4 slots x blocks of 8 = 32 tokens > -ub 16
-
-
 def show_u19(patched: Build) -> dict:
     """U19 before and after: llama-speculative-simple with a block of 8 at -ub 7 (pinned: the
     assert; patched: one line, no drafts, the plain text), and llama-server with 4 slots drafting blocks
-    of 8 together at -ub 16 (pinned: dies at the first requests; patched: serves, every text the plain
-    target's)."""
-    from pathlib import Path as _Path
+    of 8 together at -ub 16 (the serving check's ubatch check; pinned: dies at the first requests;
+    patched: serves, every text the plain target's)."""
+    import subprocess
 
     from dflash_llama import peers
-    from dflash_llama.bench import server, serving_check
 
     from . import findings
     from .registry import cache_dir
@@ -460,32 +456,31 @@ def show_u19(patched: Build) -> dict:
     out: dict = {"lines": []}
     plain = peers.run_tool(peers.speculative_command(target, findings.PROMPT, 8, "draft-dflash", draft=draft, n_max=0,
                                                      threads=1, n_ctx=256))
-    pair = serving_check.fixture_pair(_Path(cache_dir()) / "finding-u19", "qwen3")
-    prompts = [(str(i), t) for i, t in enumerate(serving_check.PROMPTS)]
-    ref = serving_check.serve(*pair[:1], None, serving_check.PROMPTS, n_predict=U19_SERVER["n_predict"], n_max=None,
-                              parallel=1, threads=1).texts
     for name, exe in (("pinned", None), ("patched", patched)):
         r = peers.run_tool(peers.speculative_command(target, findings.PROMPT, 8, "draft-dflash", draft=draft, n_max=7,
                                                      threads=1, n_ctx=256, extra_args=["-ub", "7"],
                                                      exe=exe and exe.tool("llama-speculative-simple")))
+        said = [ln for ln in r.stderr.splitlines() if "GGML_ASSERT" in ln or "no drafts" in ln]
         tool = {"exit": r.returncode, "same_as_plain": r.ok and r.stdout == plain.stdout,
-                "said": findings._last(r, "GGML_ASSERT" if r.returncode else "no drafts").split(": ", 1)[-1]}
-        try:
-            with server.LlamaServer(*pair, threads=1, n_ctx=256, n_parallel=U19_SERVER["n_parallel"], n_max=7,
-                                    extra_args=["-ub", str(U19_SERVER["ubatch"])],
-                                    exe=exe and exe.tool("llama-server")) as srv:
-                res = server.load_test(srv.url, prompts, U19_SERVER["n_predict"], U19_SERVER["n_parallel"])
-            served = sum(q.text == ref[int(q.prompt_id)] for q in res.requests)
-        except (OSError, RuntimeError):  # the server died: the connection closed, or it exited
-            served = None
+                "said": said[-1].split(": ", 1)[-1] if said else ""}
+        work = cache_dir() / "finding-u19"
+        s = subprocess.run([sys.executable, "-m", "dflash_llama.bench.serving_check", "--out", str(work),
+                            "--ubatch-check", "16", "--n-max", "7", "-n", "16",
+                            *(["--server", str(exe.tool("llama-server"))] if exe else [])],
+                           capture_output=True, text=True)
+        if s.returncode not in (0, 1):
+            raise RuntimeError(f"the serving check exited with {s.returncode}:\n{s.stderr.strip()[-1500:]}")
+        check = json.loads((work / "ubatch_check.json").read_text())
+        served = check["same_as_plain"] if check["served"] else None
         out[name] = {"tool": tool, "server_exact": served}
         out["lines"].append(f"{name:8s} llama-speculative-simple, a block of 8 at -ub 7: exit code {tool['exit']}, "
                             f"{'text equal to plain decoding' if tool['same_as_plain'] else 'no text'} "
                             f"({tool['said']}); llama-server -np 4 -ub 16: " + (
-                                "died" if served is None else f"{served} of {len(prompts)} texts the plain target's"))
+                                "died" if served is None else f"{served} of {check['prompts']} texts the plain "
+                                                              "target's"))
     out["fixed"] = (out["pinned"]["tool"]["exit"] != 0 and out["pinned"]["server_exact"] is None
                     and out["patched"]["tool"]["exit"] == 0 and out["patched"]["tool"]["same_as_plain"]
-                    and out["patched"]["server_exact"] == len(prompts))
+                    and out["patched"]["server_exact"] == 16)
     return out
 
 SHOW = {"U1": ("u1-dflash-default-target-layers.patch", show_u1), "U2": ("u2-dflash-last-layer-tap.patch", show_u2),
