@@ -69,6 +69,9 @@ void print_usage(const char * argv0) {
         "  --draft-head compact|target  the head the draft proposes through: compact, a Q4_0 copy of the\n"
         "                           target's (cheaper; made at load when the target's is larger), or the\n"
         "                           target's own (as the reference computes it) (default: compact)\n"
+        "  --mmap, --no-mmap        --mmap: map the target's file as llama.cpp's tools do; --no-mmap (the\n"
+        "                           default): read it into memory, backed by huge pages where the kernel can\n"
+        "                           (faster decoding, the same logits)\n"
         "  --no-draft               plain autoregressive decoding of the target\n"
         "  --ignore-eos             do not stop at end-of-generation tokens\n"
         "  --json                   print one JSON object (tokens, text, steps, tau, stats)\n"
@@ -184,6 +187,8 @@ cli_args parse_args(int argc, char ** argv) {
             a.engine.compact_draft_head = v == "compact";
         }
         else if (flag == "--no-draft")   a.no_draft = true;
+        else if (flag == "--mmap")       a.engine.target.huge_pages = false;
+        else if (flag == "--no-mmap")    a.engine.target.huge_pages = true;
         else if (flag == "--ignore-eos") a.gen.stop_at_eog = false;
         else if (flag == "--json")       a.json = true;
         else if (flag == "-v" || flag == "--verbose") a.engine.verbose = true;

@@ -315,3 +315,13 @@ def test_an_unexpected_exception_is_still_one_line(capsys, monkeypatch):
     monkeypatch.setenv("DFLASH_LLAMA_TRACEBACK", "1")
     with pytest.raises(KeyError):
         cli.main(["generate", "-m", "t.gguf", "--no-draft", "-p", "x"])
+
+
+def test_mmap_loads_as_llama_cpp_and_decodes_the_same(tiny_target_gguf, tiny_draft_gguf):
+    """--mmap maps the target's file as llama.cpp's tools do, --no-mmap (the default) reads it into
+    memory for huge pages: the same tokens either way."""
+    usage = cpp_cli("--help").stdout.decode()
+    assert "--mmap, --no-mmap        --mmap: map the target's file as llama.cpp's tools do" in usage
+    docs = [cpp_json(tiny_target_gguf, tiny_draft_gguf, "-p", "def f(x):", "-n", "8", *flag)
+            for flag in ((), ("--mmap",), ("--no-mmap",))]
+    assert docs[0]["tokens"] == docs[1]["tokens"] == docs[2]["tokens"] and len(docs[0]["tokens"]) == 8
