@@ -332,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: the tiny qwen35 fixture target with a random draft (every verify rolls back), "
                         "RUNS times (default 6) at -np 1 and 8; writes rollback_check.json")
     p.add_argument("--patched", action="store_true",
-                   help="with --rollback-check: llama-server built from the pinned tree with patches/series "
-                        "(built once, cached): U11's patch shown")
+                   help="with --rollback-check or --ubatch-check: llama-server built from the pinned tree with "
+                        "patches/series (built once, cached): U11's or U19's patch shown")
     p.add_argument("--ubatch-check", type=int, metavar="UB",
                    help="instead: the dense tiny fixture pair, random draft, at -ub UB with -np 4 (blocks of n-max "
                         "+ 1 drafted together); writes ubatch_check.json, exit status 1 if the server died")
