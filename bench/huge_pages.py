@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from dflash_llama import fixtures, prompts
+from dflash_llama.bench.stock_builds import add_pair_args
 from dflash_llama.converter.pair import DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB, DEFAULT_DRAFT, resolve_draft
 
 ARMS = ("huge pages", "mapped")
@@ -68,11 +69,7 @@ def ratios(res: dict) -> dict[str, tuple[float, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash_llama.bench.huge_pages", description=__doc__.split("\n")[0])
-    p.add_argument("-m", "--model", dest="target", help="target GGUF (default: the shipped SmolLM2)")
-    p.add_argument("-md", "--model-draft", dest="draft",
-                   help="DFlash draft GGUF (default: the shipped draft, converted as `dflash-llama run` does)")
-    p.add_argument("--limit", type=int, default=6, help="HumanEval prompts, spread over the set (default 6)")
-    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens per generation (default 128)")
+    add_pair_args(p)
     p.add_argument("-t", "--threads", type=int, help="CPU threads (default: measured, as the runtime does)")
     p.add_argument("--repeat", type=int, default=3, help="runs of each arm and mode per prompt, the fastest counts "
                                                          "(default 3)")

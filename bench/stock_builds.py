@@ -58,13 +58,18 @@ def measure(target, draft, texts: list[str], n_predict: int, block_sizes: list[i
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash_llama.bench.stock_builds", description=__doc__.split("\n")[0])
+def add_pair_args(p: argparse.ArgumentParser) -> None:
+    """-m, -md, --limit and -n, as the side-by-side benches of this folder take them."""
     p.add_argument("-m", "--model", dest="target", help="target GGUF (default: the shipped SmolLM2)")
     p.add_argument("-md", "--model-draft", dest="draft",
                    help="DFlash draft GGUF (default: the shipped draft, converted as `dflash-llama run` does)")
     p.add_argument("--limit", type=int, default=6, help="HumanEval prompts, spread over the set (default 6)")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens per generation (default 128)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash_llama.bench.stock_builds", description=__doc__.split("\n")[0])
+    add_pair_args(p)
     p.add_argument("--block-sizes", default="2,4,8", type=lambda t: int_list(t, "--block-sizes", 2),
                    help="DFlash block sizes (default 2,4,8)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default 0: all)")
