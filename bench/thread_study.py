@@ -75,6 +75,13 @@ def plan(counts: list[int]) -> list[Arm]:
     return [Arm(tool, t) for tool in ("dflash-llama", "llama.cpp") for t in [None, *counts]]
 
 
+def creation_order(arms: list[Arm], condition: int) -> list[Arm]:
+    """The order in which one condition creates our Runtimes: rotated by one per condition, so that no
+    arm is always the first-created (whose memory the process takes first)."""
+    k = condition % len(arms) if arms else 0
+    return arms[k:] + arms[:k]
+
+
 def _speed(rows: list[dict]) -> float | None:
     ms = sum(r["decode_ms"] for r in rows)
     return 1000.0 * sum(r["decode_tokens"] for r in rows) / ms if ms > 0 else None
@@ -159,10 +166,11 @@ class ThreadStudy:
 
         s = self.s
         out = []
-        for busy in self.conditions:
+        for c, busy in enumerate(self.conditions):
             with busy_cores(busy):
+                ours = creation_order([a for a in self.arms if a.tool == "dflash-llama"], c)
                 rts = {a.key: Runtime(s.target, s.draft, n_threads=a.threads, n_ctx=s.n_ctx,
-                                      n_gpu_layers=s.n_gpu_layers) for a in self.arms if a.tool == "dflash-llama"}
+                                      n_gpu_layers=s.n_gpu_layers) for a in ours}
                 rows = []
                 for i, p in enumerate(self.prompts):
                     runs: dict[str, list[dict]] = {a.key: [] for a in self.arms}
@@ -176,6 +184,7 @@ class ThreadStudy:
                         best["exact"] = all(r["exact"] for r in runs[a.key])
                         rows.append({"prompt": p.id, "arm": a.key, **best})
                 del rts  # each condition's runtimes measure their threads anew
-            out.append({"busy_cores": busy, "rows": rows, **summarise(rows, self.arms)})
+            out.append({"busy_cores": busy, "created": [a.key for a in ours], "rows": rows,
+                        **summarise(rows, self.arms)})
         return {"prompts": [p.id for p in self.prompts], "thread_counts": thread_counts(),
                 "n_predict": s.n_predict, "repeat": self.repeat, "conditions": out}

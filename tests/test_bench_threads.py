@@ -54,6 +54,10 @@ def test_the_fastest_of_repeated_runs_counts_and_differing_outputs_are_kept():
 
 def test_thread_counts_and_busy_cores_end_with_the_block():
     assert ts.thread_counts(1) == [1] and ts.thread_counts(2) == [1, 2] and ts.thread_counts(8) == [1, 2, 8]
+    ours = [a for a in ts.plan([1, 2]) if a.tool == "dflash-llama"]
+    assert [[a.key for a in ts.creation_order(ours, c)] for c in (0, 1, 3)] == [
+        ["ours-default", "ours-t1", "ours-t2"], ["ours-t1", "ours-t2", "ours-default"],
+        ["ours-default", "ours-t1", "ours-t2"]]
     with ts.busy_cores(1) as procs:
         assert len(procs) == 1 and procs[0].poll() is None  # spinning
     assert procs[0].poll() is not None
@@ -84,7 +88,9 @@ def test_bench_runs_each_tool_at_its_default_and_every_fixed_count(tiny_target_g
     counts = ts.thread_counts()
     assert study["prompts"] == ["HumanEval/0"] and study["thread_counts"] == counts
     assert [c["busy_cores"] for c in study["conditions"]] == [0, 1]
-    for c in study["conditions"]:
+    ours = [a for a in ts.plan(counts) if a.tool == "dflash-llama"]
+    for i, c in enumerate(study["conditions"]):
+        assert c["created"] == [a.key for a in ts.creation_order(ours, i)]
         assert {r["arm"] for r in c["rows"]} == {a.key for a in ts.plan(counts)}
         assert len(c["rows"]) == 2 * (1 + len(counts))
         assert all(r["exact"] for r in c["rows"])
