@@ -77,7 +77,7 @@ fi
 if [ "$run_tests" = 1 ]; then
     step "tests"
     set +e
-    .venv/bin/python -m pytest -q
+    .venv/bin/python -m pytest -q --durations=25
     rc=$?
     set -e
     if [ "$rc" = 5 ]; then
