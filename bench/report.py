@@ -157,6 +157,13 @@ def threads_section(study: dict) -> list[str]:
     return L + [""]
 
 
+def machine_name(meta: dict) -> str:
+    """The CPU's name with its vector extensions ("AMD EPYC (avx2 fma f16c)"); bench.json files written before
+    they were recorded give the name alone."""
+    simd = meta.get("simd")
+    return f"{meta['cpu']} ({' '.join(simd) if simd else 'no AVX2/AVX-512/NEON'})" if simd is not None else meta["cpu"]
+
+
 def _render_target_types_only(res: dict, command: str, plots: list[str]) -> str:
     s, meta, sweep = res["settings"], res["meta"], res["target_types"]
     L = [f"# Benchmark: target weight types, {Path(s['target']).name} + {Path(s['draft']).name}\n",
@@ -164,7 +171,7 @@ def _render_target_types_only(res: dict, command: str, plots: list[str]) -> str:
     budget = s.get("budget_min")
     L.append(f"- started {meta['started']}; the whole command took {meta['command_wall_s'] / 60:.1f} min"
              + (f" (budget {budget:g} min)" if budget else ""))
-    L.append(f"- machine: {meta['cpu']}, {meta['nproc']} CPUs ({meta['affinity']} usable), {meta['platform']}; "
+    L.append(f"- machine: {machine_name(meta)}, {meta['nproc']} CPUs ({meta['affinity']} usable), {meta['platform']}; "
              f"load average {meta['loadavg_end']} at the end")
     L.append(f"- dflash-llama {meta['dflash_llama']}, llama.cpp {meta['llama_cpp']}")
     L.append(f"- -n {s['n_predict']} tokens, greedy, {s['threads']} threads, context {s['n_ctx']}; cost model on "
@@ -192,7 +199,7 @@ def render(res: dict, command: str, plots: list[str]) -> str:
     if s.get("stopped_by_budget"):
         add(f"- **the time budget stopped the run after {len(s['prompts'])} of {s['prompts_planned']} prompts** "
             f"(every method ran on each of them)")
-    add(f"- machine: {meta['cpu']}, {meta['nproc']} CPUs ({meta['affinity']} usable), {meta['platform']}; "
+    add(f"- machine: {machine_name(meta)}, {meta['nproc']} CPUs ({meta['affinity']} usable), {meta['platform']}; "
         f"load average {meta['loadavg_start']} at the start, {meta['loadavg_end']} at the end")
     add(f"- dflash-llama {meta['dflash_llama']}, llama.cpp {meta['llama_cpp']} (the pinned peer tools of this build)")
     add(f"- {len(s['prompts'])} prompts ({s['prompts'][0]['id']} … {s['prompts'][-1]['id']}), "

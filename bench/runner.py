@@ -822,20 +822,34 @@ def _loadavg() -> list[float] | None:
         return None
 
 
+# The vector extensions that pick ggml's CPU kernels (and so a run's speed ratios), in /proc/cpuinfo's
+# spelling: the same model name can come with AVX-512 or without it.
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "amx_int8", "neon", "asimddp", "sve")
+
+
+def simd_features(flags: str) -> list[str]:
+    """The extensions of SIMD_FLAGS among a cpuinfo `flags` (or ARM `Features`) line's words, in that order."""
+    have = set(flags.split())
+    return [f for f in SIMD_FLAGS if f in have]
+
+
 def machine_info() -> dict:
     import os
 
     import dflash_llama
 
-    cpu = None
+    cpu, simd = None, None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and cpu is None:
+                cpu = value.strip()
+            elif key.strip() in ("flags", "Features") and simd is None:
+                simd = simd_features(value)
     except OSError:
         pass
-    return {"cpu": cpu or platform.processor(), "nproc": os.cpu_count(),
+    return {"cpu": cpu or platform.processor(), "simd": simd, "nproc": os.cpu_count(),
             "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "platform": platform.platform(), "python": platform.python_version(),
             "dflash_llama": dflash_llama.__version__, "llama_cpp": dflash_llama.llama_cpp_commit()}

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from dflash_llama import cli, paths
-from dflash_llama.bench import server
+from dflash_llama.bench import report, runner, server
 
 pytestmark = pytest.mark.peer
 
@@ -39,6 +39,7 @@ def test_writes_every_file(bench_run):
     for name in PNGS:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "bench.md").read_text()
+    assert f"- machine: {report.machine_name(res['meta'])}, " in md
     for png in PNGS:
         assert f"![{png}]({png})" in md
     assert "| HumanEval/0 | llama.cpp native DFlash B=4 |" in md and "**no**" not in md
@@ -62,6 +63,8 @@ def test_bench_json_schema(bench_run):
                         "threads", "rows", "texts", "command"}
     assert res["threads"] is None  # no --thread-study
     assert {"cpu", "nproc", "started", "wall_s", "command_wall_s", "llama_cpp", "loadavg_start"} <= set(res["meta"])
+    flags = next(line for line in open("/proc/cpuinfo") if line.split(":")[0].strip() in ("flags", "Features"))
+    assert res["meta"]["simd"] == [f for f in runner.SIMD_FLAGS if f in flags.split(":", 1)[1].split()]
     for r in res["rows"]:
         keys = set(r)
         if r["method"].startswith("runtime-auto"):  # the adaptive loop also says what it chose
@@ -469,3 +472,12 @@ def test_huge_pages_bench_runs_both_loads_side_by_side(tiny_target_gguf, tiny_dr
     with pytest.raises(SystemExit) as e:
         huge_pages.main(["--repeat", "0"])
     assert e.value.code == 2 and "--limit and --repeat must be at least 1 and -n at least 2" in capsys.readouterr().err
+
+
+def test_the_machine_line_names_the_vector_extensions():
+    assert runner.simd_features("fpu avx avx2 fma avx512f avx512_vnni sse4_2") == ["avx2", "fma", "avx512f",
+                                                                                  "avx512_vnni"]
+    meta = {"cpu": "AMD EPYC"}
+    assert report.machine_name(meta) == "AMD EPYC"  # written before the extensions were recorded
+    assert report.machine_name(meta | {"simd": ["avx2", "fma"]}) == "AMD EPYC (avx2 fma)"
+    assert report.machine_name(meta | {"simd": []}) == "AMD EPYC (no AVX2/AVX-512/NEON)"
