@@ -12,6 +12,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "cpu_dot_cols.h"
 #include "engine.h"
 #include "gguf_info.h"
 #include "glue.h"
@@ -75,6 +76,17 @@ void bind_functions(nb::module_ & m) {
           "Whether this build has a GPU backend with a device (n_gpu_layers / -ngl can offload).");
     m.attr("NO_GPU_BACKEND") = dflash::kNoGpuBackend;
     m.attr("NGRAM_MAX")      = dflash::draft_policy::kNgramMax;  // the longest n-gram proposal verified
+    m.def("dot_cols_mismatches", [](const std::string & type, int n, int n_cols, uint32_t seed) {
+              for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
+                  const char * name = ggml_type_name((ggml_type) t);
+                  if (name != nullptr && type == name) {
+                      return dflash_dot_cols_mismatches((ggml_type) t, n, n_cols, seed);
+                  }
+              }
+              throw std::invalid_argument("unknown ggml type '" + type + "'");
+          }, "type"_a, "n"_a, "n_cols"_a, "seed"_a,
+          "Of n_cols random columns, how many multi-column dot products (runtime/cpu_dot_cols.h) differ bit "
+          "for bit from ggml's vec_dot for weights of `type` (e.g. 'q4_1'); -1 where this build has no kernel.");
     m.def("gguf_info", &gguf_info_dict, "path"_a,
           "Read a GGUF header. Raises ValueError for a missing, foreign or truncated file.");
 }

@@ -1,5 +1,6 @@
 #include "output_head.h"
 
+#include "cpu_dot_cols.h"
 #include "ggml-cpu.h"
 
 #include <cstring>
@@ -48,6 +49,12 @@ void output_head::run(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int32_t n_rows = self->n_rows_;
     const size_t  q_row  = self->q_row_;
     float * out = (float *) dst->data;
+    // two or more rows: each vocabulary row with up to four at a time (cpu_dot_cols.h: each result
+    // vec_dot's, bit for bit); else, or where the weight type has no such kernel, vec_dot per logit
+    if (dflash_mul_mat_chunk(w->type, n_embd, (const char *) w->data, w->nb[1], v0, v1, self->qx_.data(), q_row, 0,
+                             n_rows, (char *) out, (size_t) n_vocab * sizeof(float))) {
+        return;
+    }
     for (int64_t v = v0; v < v1; ++v) {
         const char * wrow = (const char *) w->data + v * w->nb[1];
         for (int32_t r = 0; r < n_rows; ++r) {

@@ -4,9 +4,10 @@
 // the target's graph ends in one matmul of its final norm (result_output = W x result_norm), the
 // target stops every decode's graph after result_norm and this head computes rows on demand.
 //
-// Exactness: each logit is one call of ggml's own vec_dot for the weight type on the row quantized by
-// that type's from_float, the arithmetic of ggml's matmul (whose row results do not depend on how
-// many rows share it); the target checks once, bit for bit, against llama.cpp's own logits.
+// Exactness: each logit is ggml's own vec_dot for the weight type on the row quantized by that type's
+// from_float (or, for several rows, cpu_dot_cols.h's kernel, vec_dot's arithmetic per row), the
+// arithmetic of ggml's matmul (whose row results do not depend on how many rows share it); the
+// target checks once, bit for bit, against llama.cpp's own logits.
 #pragma once
 
 #include "ggml.h"

@@ -21,6 +21,9 @@ def test_the_stock_tool_has_sgemm_and_ours_does_not(stock):
     assert stock.name == "llama-speculative-simple" and stock.parent.parent.name == "stock-tools"
     assert b"llamafile_sgemm" in stock.read_bytes()
     assert b"llamafile_sgemm" not in paths.tool("llama-speculative-simple").read_bytes()
+    # the stock ggml-cpu.c is the pinned one, without our multi-column dot products' hook
+    assert b"dflash_mul_mat_chunk" not in stock.read_bytes()
+    assert b"dflash_mul_mat_chunk" in paths.tool("llama-speculative-simple").read_bytes()
 
 
 def test_the_stock_tool_is_cached(stock):

@@ -152,6 +152,9 @@ def link_tool(build: Path, tool: str, objects: list[str], exe: Path, what: str, 
 # for batches of two rows and more, sgemm.cpp (compiled like the other C++ files of ggml-cpu) has it
 _SGEMM = "GGML_USE_LLAMAFILE"
 _CPU_C = "ggml/src/ggml-cpu/ggml-cpu.c"
+# our build compiles a copy of it with the multi-column dot products' hook (cmake/ggml_cpu_cols.cmake);
+# a stock build compiles the pinned file, with that copy's command
+_CPU_C_OURS = "ggml-cpu-cols/ggml-cpu.c"
 _SGEMM_CPP = "ggml/src/ggml-cpu/llamafile/sgemm.cpp"
 _CPU_CPP_LIKE = "ggml/src/ggml-cpu/ops.cpp"
 
@@ -191,7 +194,8 @@ def stock_tool(tool: str = "llama-speculative-simple", cache: Path | None = None
     link_rule(build, tool)  # a tool our build does not make fails before anything is compiled
     commands = compile_commands(build)
     pinned = PINNED.resolve()
-    c_entry, cpp_entry = commands[pinned / _CPU_C], commands[pinned / _CPU_CPP_LIKE]
+    c_entry = commands.get(pinned / _CPU_C) or commands[build.resolve() / _CPU_C_OURS]
+    cpp_entry = commands[pinned / _CPU_CPP_LIKE]
     libs = sorted(build.glob("llama.cpp/**/*.a"))
     key = hashlib.sha256(json.dumps([c_entry["command"], cpp_entry["command"], tool, one_row_sgemm,
                                      [(str(p), p.stat().st_mtime_ns) for p in libs]]).encode()).hexdigest()[:12]
