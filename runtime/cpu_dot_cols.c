@@ -135,6 +135,105 @@ static inline __attribute__((always_inline)) void dc_q4_1(float * s, const void 
     for (int c = 0; c < NC; ++c) s[c] = dc_hsum(acc[c]) + mins[c];
 }
 
+// K-quants: super-blocks of 256 values against Q8_K columns (float scale d, sums of 16 values in
+// bsums). Per super-block, the integer sums land in eight int32 lanes exactly as in ggml's AVX2
+// vec_dot (lane l: the products of values 4l..4l+3 of every 32-value group, each group's times its
+// sub-block scales), then one fused multiply-add by d_x * d_y; Q4_K's mins and Q6_K's offset of 32
+// go through the columns' bsums in ggml's lane order too.
+
+// 32 bytes of sub-block scale s0 in the low 16 values of a 32-value group and s1 in the high 16, as int16
+static inline __m256i dc_scale_pair(int s0, int s1) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short) s0)), _mm_set1_epi16((short) s1), 1);
+}
+
+static inline __attribute__((always_inline)) void dc_q4_K(float * s, const void * vx, const dc_cols * y, const int NC) {
+    const block_q4_K * x = (const block_q4_K *) vx;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[DC_MAX_COLS];
+    __m128 acc_m[DC_MAX_COLS];
+    for (int c = 0; c < NC; ++c) {
+        acc[c]   = _mm256_setzero_ps();
+        acc_m[c] = _mm_setzero_ps();
+    }
+    for (int i = 0; i < y->nb; ++i) {
+        // the 6-bit scales and mins of the eight 32-value sub-blocks
+        const uint8_t * q = x[i].scales;
+        uint8_t sc[8], mn[8];
+        for (int j = 0; j < 4; ++j) {
+            sc[j]     = q[j] & 63;
+            mn[j]     = q[j + 4] & 63;
+            sc[j + 4] = (q[j + 8] & 0x0F) | ((q[j] >> 6) << 4);
+            mn[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+        }
+        const __m128i mins = _mm_setr_epi16(mn[0], mn[1], mn[2], mn[3], mn[4], mn[5], mn[6], mn[7]);
+        const float dx = GGML_CPU_FP16_TO_FP32(x[i].d), mx = GGML_CPU_FP16_TO_FP32(x[i].dmin);
+        __m256i sumi[DC_MAX_COLS];
+        for (int c = 0; c < NC; ++c) sumi[c] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {  // 64 values: sub-block 2j in the low nibbles, 2j + 1 in the high
+            const __m256i bits = _mm256_loadu_si256((const __m256i *) (x[i].qs + 32 * j));
+            const __m256i lo = _mm256_and_si256(bits, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4);
+            const __m256i s_lo = _mm256_set1_epi16(sc[2 * j]), s_hi = _mm256_set1_epi16(sc[2 * j + 1]);
+            for (int c = 0; c < NC; ++c) {
+                const int8_t * q8 = DC_BLOCK(block_q8_K, y, c, i)->qs + 64 * j;
+                const __m256i p_lo = _mm256_madd_epi16(s_lo, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *) q8)));
+                const __m256i p_hi = _mm256_madd_epi16(s_hi, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *) (q8 + 32))));
+                sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(p_lo, p_hi));
+            }
+        }
+        for (int c = 0; c < NC; ++c) {
+            const block_q8_K * b = DC_BLOCK(block_q8_K, y, c, i);
+            // lane m: mins 2m and 2m + 1 times their sub-blocks' sums
+            const __m256i bsums = _mm256_loadu_si256((const __m256i *) b->bsums);
+            const __m128i sums = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
+            acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(-b->d * mx), _mm_cvtepi32_ps(_mm_madd_epi16(mins, sums)), acc_m[c]);
+            acc[c]   = _mm256_fmadd_ps(_mm256_set1_ps(b->d * dx), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; ++c) {
+        __m128 m = _mm_add_ps(acc_m[c], _mm_movehl_ps(acc_m[c], acc_m[c]));
+        m = _mm_add_ss(m, _mm_movehdup_ps(m));
+        s[c] = dc_hsum(acc[c]) + _mm_cvtss_f32(m);
+    }
+}
+
+static inline __attribute__((always_inline)) void dc_q6_K(float * s, const void * vx, const dc_cols * y, const int NC) {
+    const block_q6_K * x = (const block_q6_K *) vx;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+    __m256 acc[DC_MAX_COLS];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+    for (int i = 0; i < y->nb; ++i) {
+        const int8_t * sc = x[i].scales;  // one per 16 values
+        __m256i sumi[DC_MAX_COLS];
+        for (int c = 0; c < NC; ++c) sumi[c] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; ++h) {  // 128 values: four groups of 32 from 64 bytes of low nibbles, 32 of high bits
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *) (x[i].ql + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *) (x[i].ql + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *) (x[i].qh + 32 * h));
+            for (int g = 0; g < 4; ++g) {
+                const __m256i nib = _mm256_and_si256(g < 2 ? (g == 0 ? l0 : l1) : _mm256_srli_epi16(g == 2 ? l0 : l1, 4), low4);
+                const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * g), low2), 4);
+                const __m256i q6  = _mm256_or_si256(nib, top);  // 0..63; the offset of 32 comes off below
+                const int     k   = 4 * h + g;                  // the group of 32 values, scales 2k and 2k + 1
+                const __m256i scl = dc_scale_pair(sc[2 * k], sc[2 * k + 1]);
+                for (int c = 0; c < NC; ++c) {
+                    const int8_t * q8 = DC_BLOCK(block_q8_K, y, c, i)->qs + 32 * k;
+                    sumi[c] = _mm256_add_epi32(sumi[c],
+                        _mm256_madd_epi16(scl, _mm256_maddubs_epi16(q6, _mm256_loadu_si256((const __m256i *) q8))));
+                }
+            }
+        }
+        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) sc));
+        const float dx = GGML_CPU_FP16_TO_FP32(x[i].d);
+        for (int c = 0; c < NC; ++c) {
+            const block_q8_K * b = DC_BLOCK(block_q8_K, y, c, i);
+            // lane m less 32 * (bsums 2m and 2m + 1 times their scales)
+            const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) b->bsums), scales16), 5);
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(b->d * dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[c], off)), acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; ++c) s[c] = dc_hsum(acc[c]);
+}
+
 typedef void (*dc_kernel)(float * s, const void * x, const dc_cols * y, int n_cols);
 
 #define DC_WIDTHS(kernel)                                                                       \
@@ -149,12 +248,16 @@ typedef void (*dc_kernel)(float * s, const void * x, const dc_cols * y, int n_co
 DC_WIDTHS(dc_q8_0)
 DC_WIDTHS(dc_q5_0)
 DC_WIDTHS(dc_q4_1)
+DC_WIDTHS(dc_q4_K)
+DC_WIDTHS(dc_q6_K)
 
 static dc_kernel dc_kernel_of(enum ggml_type type) {
     switch (type) {
         case GGML_TYPE_Q8_0: return dc_q8_0_n;
         case GGML_TYPE_Q5_0: return dc_q5_0_n;
         case GGML_TYPE_Q4_1: return dc_q4_1_n;
+        case GGML_TYPE_Q4_K: return dc_q4_K_n;
+        case GGML_TYPE_Q6_K: return dc_q6_K_n;
         default:             return NULL;
     }
 }
@@ -162,8 +265,9 @@ static dc_kernel dc_kernel_of(enum ggml_type type) {
 // Columns c0..c1 of y (the type's vec_dot type) described for the kernels; d and m hold
 // (c1 - c0) * nb floats.
 static dc_cols dc_describe(enum ggml_type type, int n, const char * y, size_t y_stride, int n_cols, float * d, float * m) {
-    const dc_cols cols = { y, y_stride, d, m, n / 32 };
-    for (int c = 0; c < n_cols; ++c) {
+    const bool k_quant = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;  // Q8_K: float scales, read in place
+    const dc_cols cols = { y, y_stride, d, m, k_quant ? n / QK_K : n / 32 };
+    for (int c = 0; c < n_cols && !k_quant; ++c) {
         for (int ib = 0; ib < cols.nb; ++ib) {
             if (type == GGML_TYPE_Q4_1) {
                 const block_q8_1 * b = DC_BLOCK(block_q8_1, &cols, c, ib);
@@ -194,7 +298,8 @@ static bool dc_enabled(void) {
 
 bool dflash_dot_cols_supported(enum ggml_type type) {
 #if DC_KERNELS
-    return dc_enabled() && (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0 || type == GGML_TYPE_Q4_1);
+    return dc_enabled() && (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0 || type == GGML_TYPE_Q4_1 ||
+                            type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K);
 #else
     (void) type;
     return false;
@@ -206,7 +311,7 @@ enum { DC_MAX_BLOCKS = 512 };
 
 bool dflash_dot_cols(enum ggml_type type, int n, float * s, const void * x, const void * y, size_t y_stride,
                      int n_cols) {
-    if (!dflash_dot_cols_supported(type) || n <= 0 || n % 32 != 0 || n / 32 > DC_MAX_BLOCKS || n_cols < 1 ||
+    if (!dflash_dot_cols_supported(type) || n <= 0 || n % ggml_blck_size(type) != 0 || n / 32 > DC_MAX_BLOCKS || n_cols < 1 ||
         n_cols > DC_MAX_COLS) {
         return false;
     }
@@ -225,7 +330,7 @@ bool dflash_dot_cols(enum ggml_type type, int n, float * s, const void * x, cons
 // each row then taken with up to four columns at a time.
 bool dflash_mul_mat_chunk(enum ggml_type type, int64_t n, const char * w, size_t w_stride, int64_t r0, int64_t r1,
                           const char * y, size_t y_stride, int64_t c0, int64_t c1, char * dst, size_t dst_stride) {
-    if (c1 - c0 < 2 || r1 <= r0 || n <= 0 || n % 32 != 0 || n / 32 > DC_MAX_BLOCKS || !dflash_dot_cols_supported(type)) {
+    if (c1 - c0 < 2 || r1 <= r0 || n <= 0 || n % ggml_blck_size(type) != 0 || n / 32 > DC_MAX_BLOCKS || !dflash_dot_cols_supported(type)) {
         return false;
     }
 #if DC_KERNELS
@@ -261,7 +366,7 @@ bool dflash_mul_mat_chunk(enum ggml_type type, int64_t n, const char * w, size_t
 // Rows of random values (a 32-bit xorshift; every 7th value ten times larger, as outlier channels
 // are), x quantized by `type`, the columns by its vec_dot type, as ggml's matmul converts them.
 int dflash_dot_cols_mismatches(enum ggml_type type, int n, int n_cols, uint32_t seed) {
-    if (!dflash_dot_cols_supported(type) || n <= 0 || n % 32 != 0 || n_cols < 1 || n_cols > DC_MAX_COLS) {
+    if (!dflash_dot_cols_supported(type) || n <= 0 || n % ggml_blck_size(type) != 0 || n_cols < 1 || n_cols > DC_MAX_COLS) {
         return -1;
     }
     ggml_cpu_init();  // the fp16 conversion table
