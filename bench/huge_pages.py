@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from dflash_llama import fixtures, prompts
-from dflash_llama.bench.stock_builds import add_pair_args
+from dflash_llama.bench.stock_builds import add_pair_args, arm_ratios
 from dflash_llama.converter.pair import DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB, DEFAULT_DRAFT, resolve_draft
 
 ARMS = ("huge pages", "mapped")
@@ -56,17 +56,6 @@ def measure(target, draft, texts: list[str], n_predict: int, threads: int | None
     return {"runs": out, "huge_page_bytes": {arm: rts[arm].huge_page_bytes for arm in ARMS}, "exact": same}
 
 
-def ratios(res: dict) -> dict[str, tuple[float, float]]:
-    """Per mode: huge pages / mapped, over all tokens and as the median of per-prompt ratios."""
-    out = {}
-    for mode in MODES:
-        a, b = res["runs"][ARMS[0], mode], res["runs"][ARMS[1], mode]
-        total = lambda r: sum(r["tokens"]) / sum(n / s for n, s in zip(r["tokens"], r["tokens_per_second"]))  # noqa: E731
-        per = [x / y for x, y in zip(a["tokens_per_second"], b["tokens_per_second"]) if y > 0]
-        out[mode] = (total(a) / total(b), statistics.median(per))
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash_llama.bench.huge_pages", description=__doc__.split("\n")[0])
     add_pair_args(p)
@@ -91,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| mode | huge pages tok/s (median prompt) | mapped tok/s (median prompt) | huge / mapped, all tokens "
           "| median per prompt |")
     print("|---|---:|---:|---:|---:|")
-    for mode, (total, median) in ratios(res).items():
+    for mode, (total, median) in arm_ratios(res["runs"], ARMS, MODES).items():
         speed = [statistics.median(res["runs"][arm, mode]["tokens_per_second"]) for arm in ARMS]
         print(f"| {mode} | {speed[0]:.1f} | {speed[1]:.1f} | {total:.3f} | {median:.3f} |")
     print(f"exact: {'yes' if res['exact'] else 'NO'} (every run of both Runtimes: the same tokens as plain decoding)")

@@ -20,6 +20,7 @@ speculative text is the build's own plain text.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -55,6 +56,20 @@ def measure(target, draft, texts: list[str], n_predict: int, block_sizes: list[i
                 row["ms"] += r.decode_ms
                 row["exact"] += text_matches(r.text, plain.text, plain.stopped)[0]
         print(f"  prompt {i + 1}/{len(texts)} done", file=sys.stderr, flush=True)
+    return out
+
+
+def arm_ratios(runs: dict, arms: tuple[str, str], modes) -> dict[str, tuple[float, float]]:
+    """Per mode: arm 0 / arm 1 of `runs` ({(arm, mode): {"tokens": [...], "tokens_per_second": [...]}},
+    one entry per prompt), over all tokens and as the median of per-prompt ratios."""
+    def total(r: dict) -> float:
+        return sum(r["tokens"]) / sum(n / s for n, s in zip(r["tokens"], r["tokens_per_second"]))
+
+    out = {}
+    for mode in modes:
+        a, b = runs[arms[0], mode], runs[arms[1], mode]
+        per = [x / y for x, y in zip(a["tokens_per_second"], b["tokens_per_second"]) if y > 0]
+        out[mode] = (total(a) / total(b), statistics.median(per))
     return out
 
 

@@ -87,6 +87,11 @@ void bind_functions(nb::module_ & m) {
           }, "type"_a, "n"_a, "n_cols"_a, "seed"_a,
           "Of n_cols random columns, how many multi-column dot products (runtime/cpu_dot_cols.h) differ bit "
           "for bit from ggml's vec_dot for weights of `type` (e.g. 'q4_1'); -1 where this build has no kernel.");
+    m.def("set_dot_cols", [](bool on) { dflash_dot_cols_enable(on); }, "on"_a,
+          "Turn the multi-column dot products (runtime/cpu_dot_cols.h) on or off for this process, between "
+          "generations: the same logits either way, for side-by-side speed measurements.");
+    m.def("dot_cols", []() { return dflash_dot_cols_enabled(); },
+          "Whether the multi-column dot products are on (DFLASH_LLAMA_DOT_COLS=0 turns them off at start).");
     m.def("gguf_info", &gguf_info_dict, "path"_a,
           "Read a GGUF header. Raises ValueError for a missing, foreign or truncated file.");
 }

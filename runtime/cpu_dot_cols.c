@@ -102,6 +102,17 @@ static inline __attribute__((always_inline)) void dc_q8_0(float * s, const void 
     for (int c = 0; c < NC; ++c) s[c] = dc_hsum(acc[c]);
 }
 
+static inline __attribute__((always_inline)) void dc_q4_0(float * s, const void * vx, const dc_cols * y, const int NC) {
+    const block_q4_0 * x = (const block_q4_0 *) vx;
+    __m256 acc[DC_MAX_COLS];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+    for (int ib = 0; ib < y->nb; ++ib) {  // the nibbles, less 8, as signed bytes
+        const __m256i qx = _mm256_sub_epi8(dc_nibbles(x[ib].qs), _mm256_set1_epi8(8));
+        dc_signed_block(acc, qx, GGML_CPU_FP16_TO_FP32(x[ib].d), y, ib, NC);
+    }
+    for (int c = 0; c < NC; ++c) s[c] = dc_hsum(acc[c]);
+}
+
 static inline __attribute__((always_inline)) void dc_q5_0(float * s, const void * vx, const dc_cols * y, const int NC) {
     const block_q5_0 * x = (const block_q5_0 *) vx;
     __m256 acc[DC_MAX_COLS];
@@ -246,6 +257,7 @@ typedef void (*dc_kernel)(float * s, const void * x, const dc_cols * y, int n_co
         }                                                                                       \
     }
 DC_WIDTHS(dc_q8_0)
+DC_WIDTHS(dc_q4_0)
 DC_WIDTHS(dc_q5_0)
 DC_WIDTHS(dc_q4_1)
 DC_WIDTHS(dc_q4_K)
@@ -254,6 +266,7 @@ DC_WIDTHS(dc_q6_K)
 static dc_kernel dc_kernel_of(enum ggml_type type) {
     switch (type) {
         case GGML_TYPE_Q8_0: return dc_q8_0_n;
+        case GGML_TYPE_Q4_0: return dc_q4_0_n;
         case GGML_TYPE_Q5_0: return dc_q5_0_n;
         case GGML_TYPE_Q4_1: return dc_q4_1_n;
         case GGML_TYPE_Q4_K: return dc_q4_K_n;
@@ -283,22 +296,32 @@ static dc_cols dc_describe(enum ggml_type type, int n, const char * y, size_t y_
 
 #endif  // DC_KERNELS
 
-// DFLASH_LLAMA_DOT_COLS=0 turns the kernels off (ggml's vec_dot for every column): for side-by-side
-// measurements. Read once.
+// On unless DFLASH_LLAMA_DOT_COLS=0 (read once); dflash_dot_cols_enable switches them for the process.
+static atomic_int dc_state = -1;  // -1: not read yet; matmul threads may ask at once, each storing the same
+
 static bool dc_enabled(void) {
-    static atomic_int enabled = -1;  // matmul threads may ask at once: each writes the same value
-    int e = atomic_load(&enabled);
+    int e = atomic_load(&dc_state);
     if (e < 0) {
         const char * v = getenv("DFLASH_LLAMA_DOT_COLS");
         e = !(v != NULL && strcmp(v, "0") == 0);
-        atomic_store(&enabled, e);
+        int expected = -1;
+        atomic_compare_exchange_strong(&dc_state, &expected, e);
+        e = atomic_load(&dc_state);
     }
     return e == 1;
 }
 
+void dflash_dot_cols_enable(bool on) {
+    atomic_store(&dc_state, on ? 1 : 0);
+}
+
+bool dflash_dot_cols_enabled(void) {
+    return dc_enabled();
+}
+
 bool dflash_dot_cols_supported(enum ggml_type type) {
 #if DC_KERNELS
-    return dc_enabled() && (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0 || type == GGML_TYPE_Q4_1 ||
+    return dc_enabled() && (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q5_0 || type == GGML_TYPE_Q4_1 ||
                             type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K);
 #else
     (void) type;

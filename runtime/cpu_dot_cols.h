@@ -23,8 +23,15 @@
 extern "C" {
 #endif
 
-// Whether this build has a multi-column kernel for weights of `type` (on this CPU's instruction set).
+// Whether this build has a multi-column kernel for weights of `type` (on this CPU's instruction set)
+// and the kernels are on.
 bool dflash_dot_cols_supported(enum ggml_type type);
+
+// The kernels on or off for the whole process (on unless the environment says DFLASH_LLAMA_DOT_COLS=0):
+// off, every column takes ggml's vec_dot, with the same results. For side-by-side measurements
+// (python -m dflash_llama.bench.dot_cols); not to be switched while a matmul runs.
+void dflash_dot_cols_enable(bool on);
+bool dflash_dot_cols_enabled(void);
 
 // s[c] = ggml's vec_dot(n, x, y + c * y_stride) for c < n_cols (1..4). x: one weight row of `type`;
 // y: rows in the type's vec_dot type. False, with s untouched, where `type` has no kernel here.

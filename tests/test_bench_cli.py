@@ -474,6 +474,19 @@ def test_huge_pages_bench_runs_both_loads_side_by_side(tiny_target_gguf, tiny_dr
     assert e.value.code == 2 and "--limit and --repeat must be at least 1 and -n at least 2" in capsys.readouterr().err
 
 
+def test_dot_cols_bench_runs_both_arms_side_by_side(smollm2_gguf, smollm2_random_draft_gguf, capsys):
+    from dflash_llama import _core
+    from dflash_llama.bench import dot_cols
+
+    rc = dot_cols.main(["-m", str(smollm2_gguf), "-md", str(smollm2_random_draft_gguf), "--limit", "1", "-n", "8",
+                        "--repeat", "1", "-t", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "exact: yes" in out
+    rows = [ln for ln in out.splitlines() if ln.startswith(("| plain |", "| draft of 7 |", "| default loop |"))]
+    assert len(rows) == 3 and all(float(ln.split("|")[4]) > 0 for ln in rows)
+    assert _core.dot_cols()  # switched back on
+
+
 def test_the_machine_line_names_the_vector_extensions():
     assert runner.simd_features("fpu avx avx2 fma avx512f avx512_vnni sse4_2") == ["avx2", "fma", "avx512f",
                                                                                   "avx512_vnni"]

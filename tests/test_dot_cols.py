@@ -12,7 +12,7 @@ import pytest
 
 from dflash_llama import _core
 
-KERNEL_TYPES = ["q4_1", "q5_0", "q8_0", "q4_K", "q6_K"]
+KERNEL_TYPES = ["q4_0", "q4_1", "q5_0", "q8_0", "q4_K", "q6_K"]
 
 
 def test_this_build_has_the_kernels():
