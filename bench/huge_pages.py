@@ -13,14 +13,9 @@ per-prompt ratios, and whether both Runtimes decoded the same tokens on every pr
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-from pathlib import Path
 
-from dflash_llama import fixtures, prompts
-from dflash_llama.bench.stock_builds import add_pair_args, arm_ratios
-from dflash_llama.converter.pair import DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB, DEFAULT_DRAFT, resolve_draft
+from dflash_llama.bench.stock_builds import two_arm_main
 
 ARMS = ("huge pages", "mapped")
 MODES = ("plain", "default loop")
@@ -57,34 +52,13 @@ def measure(target, draft, texts: list[str], n_predict: int, threads: int | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash_llama.bench.huge_pages", description=__doc__.split("\n")[0])
-    add_pair_args(p)
-    p.add_argument("-t", "--threads", type=int, help="CPU threads (default: measured, as the runtime does)")
-    p.add_argument("--repeat", type=int, default=3, help="runs of each arm and mode per prompt, the fastest counts "
-                                                         "(default 3)")
-    args = p.parse_args(argv)
-    if args.limit < 1 or args.n_predict < 2 or args.repeat < 1:
-        p.error("--limit and --repeat must be at least 1 and -n at least 2")
-    if args.draft and not Path(args.draft).is_file():
-        p.error(f"-md {args.draft}: no such file")
-    try:
-        target = args.target or fixtures.smollm2_gguf()
-        draft = args.draft or resolve_draft(DEFAULT_DRAFT, target, DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB)
-        texts = [q.text for q in prompts.spread(prompts.humaneval(), args.limit)]
-        res = measure(target, draft, texts, args.n_predict, args.threads, args.repeat)
-    except (OSError, ValueError, RuntimeError) as e:
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        return 1
-    mib = {arm: res["huge_page_bytes"][arm] / 2**20 for arm in ARMS}
-    print(f"weights in huge pages: {mib[ARMS[0]]:.0f} MiB (huge pages), {mib[ARMS[1]]:.0f} MiB (mapped)")
-    print("| mode | huge pages tok/s (median prompt) | mapped tok/s (median prompt) | huge / mapped, all tokens "
-          "| median per prompt |")
-    print("|---|---:|---:|---:|---:|")
-    for mode, (total, median) in arm_ratios(res["runs"], ARMS, MODES).items():
-        speed = [statistics.median(res["runs"][arm, mode]["tokens_per_second"]) for arm in ARMS]
-        print(f"| {mode} | {speed[0]:.1f} | {speed[1]:.1f} | {total:.3f} | {median:.3f} |")
-    print(f"exact: {'yes' if res['exact'] else 'NO'} (every run of both Runtimes: the same tokens as plain decoding)")
-    return 0 if res["exact"] else 1
+    def pages(res: dict) -> str:
+        mib = {arm: res["huge_page_bytes"][arm] / 2**20 for arm in ARMS}
+        return f"weights in huge pages: {mib[ARMS[0]]:.0f} MiB (huge pages), {mib[ARMS[1]]:.0f} MiB (mapped)"
+
+    return two_arm_main(argv, "python -m dflash_llama.bench.huge_pages", __doc__, measure, ARMS, MODES,
+                        ("huge pages", "mapped", "huge / mapped"),
+                        "every run of both Runtimes: the same tokens as plain decoding", extra=pages)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,48 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens per generation (default 128)")
 
 
+def pair_inputs(args: argparse.Namespace) -> tuple[Path, Path, list[str]]:
+    """The target, the draft and the HumanEval prompt texts that add_pair_args' flags name."""
+    target = args.target or fixtures.smollm2_gguf()
+    draft = args.draft or resolve_draft(DEFAULT_DRAFT, target, DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB)
+    return target, draft, [q.text for q in prompts.spread(prompts.humaneval(), args.limit)]
+
+
+def two_arm_main(argv: list[str] | None, prog: str, doc: str, measure, arms: tuple[str, str], modes,
+                 heading: tuple[str, str, str], exact_what: str, extra=None) -> int:
+    """The command line of a bench of two arms side by side (huge_pages, dot_cols): the pair's flags,
+    -t and --repeat; `measure(target, draft, texts, n_predict, threads, repeat)` returns {"runs":
+    {(arm, mode): ...}, "exact": bool}; prints `extra(res)` if given, then per mode both arms' median
+    speeds and arm 0 / arm 1 (`heading`: the two arms' column names and the ratio's), and whether
+    every run was exact (`exact_what`: what that means)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    add_pair_args(p)
+    p.add_argument("-t", "--threads", type=int, help="CPU threads (default: measured, as the runtime does)")
+    p.add_argument("--repeat", type=int, default=3, help="runs of each arm and mode per prompt, the fastest counts "
+                                                         "(default 3)")
+    args = p.parse_args(argv)
+    if args.limit < 1 or args.n_predict < 2 or args.repeat < 1:
+        p.error("--limit and --repeat must be at least 1 and -n at least 2")
+    if args.draft and not Path(args.draft).is_file():
+        p.error(f"-md {args.draft}: no such file")
+    try:
+        target, draft, texts = pair_inputs(args)
+        res = measure(target, draft, texts, args.n_predict, args.threads, args.repeat)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 1
+    if extra is not None:
+        print(extra(res))
+    print(f"| mode | {heading[0]} tok/s (median prompt) | {heading[1]} tok/s (median prompt) | {heading[2]}, "
+          "all tokens | median per prompt |")
+    print("|---|---:|---:|---:|---:|")
+    for mode, (total, median) in arm_ratios(res["runs"], arms, modes).items():
+        speed = [statistics.median(res["runs"][arm, mode]["tokens_per_second"]) for arm in arms]
+        print(f"| {mode} | {speed[0]:.1f} | {speed[1]:.1f} | {total:.3f} | {median:.3f} |")
+    print(f"exact: {'yes' if res['exact'] else 'NO'} ({exact_what})")
+    return 0 if res["exact"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash_llama.bench.stock_builds", description=__doc__.split("\n")[0])
     add_pair_args(p)
@@ -95,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.draft and not Path(args.draft).is_file():
         p.error(f"-md {args.draft}: no such file")
     try:
-        target = args.target or fixtures.smollm2_gguf()
-        draft = args.draft or resolve_draft(DEFAULT_DRAFT, target, DECODE_DRAFT_TYPE, DECODE_DRAFT_VOCAB)
-        texts = [q.text for q in prompts.spread(prompts.humaneval(), args.limit)]
+        target, draft, texts = pair_inputs(args)
         res = measure(target, draft, texts, args.n_predict, block_sizes, args.threads, tools())
     except (OSError, ValueError, RuntimeError, peers.PeerError) as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
