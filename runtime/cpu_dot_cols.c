@@ -1,12 +1,12 @@
 // Multi-column dot products, bit for bit ggml's vec_dot per column (cpu_dot_cols.h).
 //
 // Every kernel mirrors the float arithmetic of ggml's AVX2 vec_dot for its type: per block of 32
-// values, an integer dot product of the block in eight lanes of four consecutive values (exact, so
-// how it is computed does not matter), converted to float, times the block's scale product
-// (d_x * d_y, one float multiply), accumulated by one fused multiply-add per block into eight float
-// lanes, and at the end the lanes summed by the same tree as ggml's hsum_float_8; Q4_1 adds the sum
-// of m_x * s_y over the blocks in block order. tests/test_dot_cols.py holds every kernel to vec_dot
-// bit for bit on random rows.
+// values (a super-block of 256 for the K-quants), an integer dot product of the block in eight lanes
+// of four consecutive values (exact, so how it is computed does not matter), converted to float,
+// times the block's scale product (d_x * d_y, one float multiply), accumulated by one fused
+// multiply-add per block into eight float lanes, and at the end the lanes summed by the same tree as
+// ggml's hsum_float_8; Q4_1 adds the sum of m_x * s_y over the blocks in block order, Q4_K its mins'
+// four lanes. tests/test_dot_cols.py holds every kernel to vec_dot bit for bit on random rows.
 
 #define GGML_COMMON_DECL_C
 #include "ggml-common.h"
@@ -26,7 +26,7 @@
 #define DC_KERNELS 0
 #endif
 
-enum { DC_MAX_COLS = 4, DC_ROW_BLOCK = 16, DC_COL_BLOCK = 16 };
+enum { DC_MAX_COLS = 4, DC_COL_BLOCK = 16 };
 
 #if DC_KERNELS
 
@@ -186,8 +186,10 @@ static inline __attribute__((always_inline)) void dc_q4_K(float * s, const void 
             const __m256i s_lo = _mm256_set1_epi16(sc[2 * j]), s_hi = _mm256_set1_epi16(sc[2 * j + 1]);
             for (int c = 0; c < NC; ++c) {
                 const int8_t * q8 = DC_BLOCK(block_q8_K, y, c, i)->qs + 64 * j;
-                const __m256i p_lo = _mm256_madd_epi16(s_lo, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *) q8)));
-                const __m256i p_hi = _mm256_madd_epi16(s_hi, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *) (q8 + 32))));
+                const __m256i y_lo = _mm256_loadu_si256((const __m256i *) q8);
+                const __m256i y_hi = _mm256_loadu_si256((const __m256i *) (q8 + 32));
+                const __m256i p_lo = _mm256_madd_epi16(s_lo, _mm256_maddubs_epi16(lo, y_lo));
+                const __m256i p_hi = _mm256_madd_epi16(s_hi, _mm256_maddubs_epi16(hi, y_hi));
                 sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(p_lo, p_hi));
             }
         }
@@ -221,7 +223,8 @@ static inline __attribute__((always_inline)) void dc_q6_K(float * s, const void 
             const __m256i l1 = _mm256_loadu_si256((const __m256i *) (x[i].ql + 64 * h + 32));
             const __m256i hb = _mm256_loadu_si256((const __m256i *) (x[i].qh + 32 * h));
             for (int g = 0; g < 4; ++g) {
-                const __m256i nib = _mm256_and_si256(g < 2 ? (g == 0 ? l0 : l1) : _mm256_srli_epi16(g == 2 ? l0 : l1, 4), low4);
+                const __m256i src = g % 2 == 0 ? l0 : l1;  // groups 0, 1: low nibbles; 2, 3: high
+                const __m256i nib = _mm256_and_si256(g < 2 ? src : _mm256_srli_epi16(src, 4), low4);
                 const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * g), low2), 4);
                 const __m256i q6  = _mm256_or_si256(nib, top);  // 0..63; the offset of 32 comes off below
                 const int     k   = 4 * h + g;                  // the group of 32 values, scales 2k and 2k + 1
@@ -238,8 +241,10 @@ static inline __attribute__((always_inline)) void dc_q6_K(float * s, const void 
         for (int c = 0; c < NC; ++c) {
             const block_q8_K * b = DC_BLOCK(block_q8_K, y, c, i);
             // lane m less 32 * (bsums 2m and 2m + 1 times their scales)
-            const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) b->bsums), scales16), 5);
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(b->d * dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[c], off)), acc[c]);
+            const __m256i bsums = _mm256_loadu_si256((const __m256i *) b->bsums);
+            const __m256i off   = _mm256_slli_epi32(_mm256_madd_epi16(bsums, scales16), 5);
+            const __m256  q     = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[c], off));
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(b->d * dx), q, acc[c]);
         }
     }
     for (int c = 0; c < NC; ++c) s[c] = dc_hsum(acc[c]);
@@ -277,7 +282,8 @@ static dc_kernel dc_kernel_of(enum ggml_type type) {
 
 // Columns c0..c1 of y (the type's vec_dot type) described for the kernels; d and m hold
 // (c1 - c0) * nb floats.
-static dc_cols dc_describe(enum ggml_type type, int n, const char * y, size_t y_stride, int n_cols, float * d, float * m) {
+static dc_cols dc_describe(enum ggml_type type, int n, const char * y, size_t y_stride, int n_cols, float * d,
+                           float * m) {
     const bool k_quant = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;  // Q8_K: float scales, read in place
     const dc_cols cols = { y, y_stride, d, m, k_quant ? n / QK_K : n / 32 };
     for (int c = 0; c < n_cols && !k_quant; ++c) {
@@ -321,8 +327,8 @@ bool dflash_dot_cols_enabled(void) {
 
 bool dflash_dot_cols_supported(enum ggml_type type) {
 #if DC_KERNELS
-    return dc_enabled() && (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q5_0 || type == GGML_TYPE_Q4_1 ||
-                            type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K);
+    return dc_enabled() && (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_0 ||
+                            type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K);
 #else
     (void) type;
     return false;
@@ -334,8 +340,8 @@ enum { DC_MAX_BLOCKS = 512 };
 
 bool dflash_dot_cols(enum ggml_type type, int n, float * s, const void * x, const void * y, size_t y_stride,
                      int n_cols) {
-    if (!dflash_dot_cols_supported(type) || n <= 0 || n % ggml_blck_size(type) != 0 || n / 32 > DC_MAX_BLOCKS || n_cols < 1 ||
-        n_cols > DC_MAX_COLS) {
+    if (!dflash_dot_cols_supported(type) || n <= 0 || n % ggml_blck_size(type) != 0 || n / 32 > DC_MAX_BLOCKS ||
+        n_cols < 1 || n_cols > DC_MAX_COLS) {
         return false;
     }
 #if DC_KERNELS
@@ -349,11 +355,12 @@ bool dflash_dot_cols(enum ggml_type type, int n, float * s, const void * x, cons
 #endif
 }
 
-// ggml's blocking (16 weight rows by 16 columns, the rows' bytes reused from L1 by every column),
-// each row then taken with up to four columns at a time.
+// Blocks of 16 columns (their scales converted once); each weight row of the chunk then taken with up
+// to four of them at a time, its bytes reused from L1 by the block's groups.
 bool dflash_mul_mat_chunk(enum ggml_type type, int64_t n, const char * w, size_t w_stride, int64_t r0, int64_t r1,
                           const char * y, size_t y_stride, int64_t c0, int64_t c1, char * dst, size_t dst_stride) {
-    if (c1 - c0 < 2 || r1 <= r0 || n <= 0 || n % ggml_blck_size(type) != 0 || n / 32 > DC_MAX_BLOCKS || !dflash_dot_cols_supported(type)) {
+    if (c1 - c0 < 2 || r1 <= r0 || n <= 0 || n % ggml_blck_size(type) != 0 || n / 32 > DC_MAX_BLOCKS ||
+        !dflash_dot_cols_supported(type)) {
         return false;
     }
 #if DC_KERNELS
@@ -363,18 +370,15 @@ bool dflash_mul_mat_chunk(enum ggml_type type, int64_t n, const char * w, size_t
     for (int64_t cb = c0; cb < c1; cb += DC_COL_BLOCK) {
         const int64_t cb_end = cb + DC_COL_BLOCK < c1 ? cb + DC_COL_BLOCK : c1;
         const dc_cols all = dc_describe(type, (int) n, y + cb * y_stride, y_stride, (int) (cb_end - cb), d, m);
-        for (int64_t rb = r0; rb < r1; rb += DC_ROW_BLOCK) {
-            const int64_t rb_end = rb + DC_ROW_BLOCK < r1 ? rb + DC_ROW_BLOCK : r1;
-            for (int64_t r = rb; r < rb_end; ++r) {
-                for (int64_t c = cb; c < cb_end; c += DC_MAX_COLS) {
-                    const int nc = (int) (cb_end - c < DC_MAX_COLS ? cb_end - c : DC_MAX_COLS);
-                    const int64_t k0 = c - cb;  // the group's first column in `all`
-                    const dc_cols group = { all.q + k0 * y_stride, y_stride, all.d + k0 * all.nb, all.m + k0 * all.nb,
-                                            all.nb };
-                    kernel(s, w + r * w_stride, &group, nc);
-                    for (int k = 0; k < nc; ++k) {
-                        memcpy(dst + (c + k) * dst_stride + r * sizeof(float), &s[k], sizeof(float));
-                    }
+        for (int64_t r = r0; r < r1; ++r) {
+            for (int64_t c = cb; c < cb_end; c += DC_MAX_COLS) {
+                const int nc = (int) (cb_end - c < DC_MAX_COLS ? cb_end - c : DC_MAX_COLS);
+                const int64_t k0 = c - cb;  // the group's first column in `all`
+                const dc_cols group = { all.q + k0 * y_stride, y_stride, all.d + k0 * all.nb, all.m + k0 * all.nb,
+                                        all.nb };
+                kernel(s, w + r * w_stride, &group, nc);
+                for (int k = 0; k < nc; ++k) {
+                    memcpy(dst + (c + k) * dst_stride + r * sizeof(float), &s[k], sizeof(float));
                 }
             }
         }
@@ -389,7 +393,8 @@ bool dflash_mul_mat_chunk(enum ggml_type type, int64_t n, const char * w, size_t
 // Rows of random values (a 32-bit xorshift; every 7th value ten times larger, as outlier channels
 // are), x quantized by `type`, the columns by its vec_dot type, as ggml's matmul converts them.
 int dflash_dot_cols_mismatches(enum ggml_type type, int n, int n_cols, uint32_t seed) {
-    if (!dflash_dot_cols_supported(type) || n <= 0 || n % ggml_blck_size(type) != 0 || n_cols < 1 || n_cols > DC_MAX_COLS) {
+    if (!dflash_dot_cols_supported(type) || n <= 0 || n % ggml_blck_size(type) != 0 || n / 32 > DC_MAX_BLOCKS ||
+        n_cols < 1 || n_cols > DC_MAX_COLS) {
         return -1;
     }
     ggml_cpu_init();  // the fp16 conversion table
