@@ -376,6 +376,12 @@ void load_draft(draft_model & draft, const std::string & path, ggml_backend_buff
     if (!std::filesystem::exists(path, ec)) {
         fail(path, "no such file");
     }
+    if (std::filesystem::is_directory(path, ec)) {
+        fail(path, std::filesystem::exists(std::filesystem::path(path) / "config.json", ec)
+                       ? "is a folder, not a GGUF file (a Hugging Face draft? convert it first: "
+                         "dflash-llama convert " + path + " -m TARGET.gguf -o DRAFT.gguf)"
+                       : "is a directory, not a GGUF file");
+    }
 
     ggml_context * meta = nullptr;
     std::string why;

@@ -7,6 +7,7 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <memory>
 #include <stdexcept>
 #include <string_view>
@@ -138,6 +139,10 @@ void check_tensors(const gguf_context * ctx, const std::string & path) {
 } // namespace
 
 void check_target_gguf(const std::string & path) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) {
+        throw std::invalid_argument(path + ": is a directory, not a GGUF file");
+    }
     std::string why;
     std::unique_ptr<gguf_context, void (*)(gguf_context *)> ctx(open_gguf(path, nullptr, why), &gguf_free);
     if (!ctx) {

@@ -93,6 +93,8 @@ def test_llama_dflash_cli_missing_file_and_bad_prompt_file(tiny_target_gguf, tin
                            f"{tmp_path / 'missing.gguf'}: no such file"),
                           (["-m", tiny_target_gguf, "-md", tiny_draft_gguf, "-f", tmp_path],
                            f"cannot read prompt file '{tmp_path}': a directory"),
+                          (["-m", tiny_target_gguf, "-md", tmp_path, "-p", "x"],
+                           f"{tmp_path}: is a directory, not a GGUF file"),
                           (["-m", tiny_target_gguf, "-md", tiny_draft_gguf, "-f", tmp_path / "none.txt"],
                            f"cannot read prompt file '{tmp_path / 'none.txt'}'")]:
         res = cpp_cli(*argv)

@@ -265,6 +265,14 @@ def test_errors_on_bad_input(rt, tiny_target_gguf, draft_gguf, tmp_path):
         dflash_llama.Runtime(text, draft_gguf)
     with pytest.raises(ValueError, match=r"text\.gguf: not a readable GGUF file"):
         dflash_llama.Runtime(tiny_target_gguf, text)
+    hf = tmp_path / "hf-draft"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"hf-draft: is a folder, not a GGUF file \(a Hugging Face draft\? convert it "
+                                         r"first: dflash-llama convert .*hf-draft -m TARGET\.gguf -o DRAFT\.gguf\)"):
+        dflash_llama.Runtime(tiny_target_gguf, hf)
+    with pytest.raises(ValueError, match=r": is a directory, not a GGUF file"):
+        dflash_llama.Runtime(tmp_path, draft_gguf)
     with pytest.raises(ValueError, match=r"the prompt has \d+ tokens but the context holds 256"):
         rt.generate("word " * 400, 4)
     with pytest.raises(ValueError, match=r"smaller than one draft block \(8 tokens\)"):
