@@ -1,5 +1,6 @@
 #include "huge_pages.h"
 
+#include <cerrno>
 #include <cstdint>
 
 #if defined(__linux__)
@@ -22,9 +23,18 @@ size_t collapse_to_huge_pages(ggml_backend_buffer_t buffer) {
         return 0;
     }
     // the advice keeps the range huge-page eligible under THP's "madvise" mode; the collapse fails
-    // harmlessly where unsupported (EINVAL), leaving the 4 KiB pages as they are
+    // harmlessly where unsupported (EINVAL), leaving the 4 KiB pages as they are, and transiently
+    // (EAGAIN: no huge page free at that moment, or lock contention) on a busy machine: tried again
     madvise((void *) begin, end - begin, MADV_HUGEPAGE);
-    return madvise((void *) begin, end - begin, kCollapse) == 0 ? (size_t) (end - begin) : 0;
+    for (int attempt = 0; attempt < 4; ++attempt) {
+        if (madvise((void *) begin, end - begin, kCollapse) == 0) {
+            return (size_t) (end - begin);
+        }
+        if (errno != EAGAIN) {
+            break;
+        }
+    }
+    return 0;
 #else
     (void) buffer;
     return 0;
