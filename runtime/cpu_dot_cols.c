@@ -338,8 +338,9 @@ bool dflash_dot_cols_supported(enum ggml_type type) {
 // The scales of DC_COL_BLOCK columns of rows up to DC_MAX_BLOCKS blocks (16,384 values) fit on the stack.
 enum { DC_MAX_BLOCKS = 512 };
 
-bool dflash_dot_cols(enum ggml_type type, int n, float * s, const void * x, const void * y, size_t y_stride,
-                     int n_cols) {
+// s[c] = vec_dot(n, x, y + c * y_stride) for c < n_cols (1..4); false where `type` has no kernel here.
+static bool dc_dot_cols(enum ggml_type type, int n, float * s, const void * x, const void * y, size_t y_stride,
+                        int n_cols) {
     if (!dflash_dot_cols_supported(type) || n <= 0 || n % ggml_blck_size(type) != 0 || n / 32 > DC_MAX_BLOCKS ||
         n_cols < 1 || n_cols > DC_MAX_COLS) {
         return false;
@@ -418,7 +419,7 @@ int dflash_dot_cols_mismatches(enum ggml_type type, int n, int n_cols, uint32_t 
         }
     }
     float got[DC_MAX_COLS];
-    dflash_dot_cols(type, n, got, qx, qy, y_row, n_cols);
+    dc_dot_cols(type, n, got, qx, qy, y_row, n_cols);
     for (int c = 0; c < n_cols; ++c) {
         float want;
         traits->vec_dot(n, &want, 0, qx, 0, qy + (size_t) c * y_row, 0, 1);

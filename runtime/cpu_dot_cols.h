@@ -33,11 +33,6 @@ bool dflash_dot_cols_supported(enum ggml_type type);
 void dflash_dot_cols_enable(bool on);
 bool dflash_dot_cols_enabled(void);
 
-// s[c] = ggml's vec_dot(n, x, y + c * y_stride) for c < n_cols (1..4). x: one weight row of `type`;
-// y: rows in the type's vec_dot type. False, with s untouched, where `type` has no kernel here.
-bool dflash_dot_cols(enum ggml_type type, int n, float * s, const void * x, const void * y, size_t y_stride,
-                     int n_cols);
-
 // One chunk of ggml's matmul of a 2-D weight (rows r0..r1 of w, row stride w_stride, n values each)
 // by columns c0..c1 of y (stride y_stride, in the vec_dot type): dst + c * dst_stride (bytes) holds
 // column c's results, one float per weight row. False (nothing written) where `type` has no kernel
@@ -45,8 +40,9 @@ bool dflash_dot_cols(enum ggml_type type, int n, float * s, const void * x, cons
 bool dflash_mul_mat_chunk(enum ggml_type type, int64_t n, const char * w, size_t w_stride, int64_t r0, int64_t r1,
                           const char * y, size_t y_stride, int64_t c0, int64_t c1, char * dst, size_t dst_stride);
 
-// For tests: of n_cols columns of random values, how many dflash_dot_cols results differ bit for bit
-// from vec_dot's (x quantized by `type` from random values drawn from `seed`); -1 where no kernel.
+// For tests: of n_cols (1..4) columns of random values, how many results of one weight row against
+// them at once differ bit for bit from vec_dot's (the row quantized by `type` from random values drawn
+// from `seed`); -1 where no kernel.
 int dflash_dot_cols_mismatches(enum ggml_type type, int n, int n_cols, uint32_t seed);
 
 #ifdef __cplusplus
