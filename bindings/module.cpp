@@ -157,10 +157,10 @@ void bind_draft_policy(nb::module_ & m) {
     nb::class_<draft_policy>(m, "DraftPolicy")
         .def(nb::init<int32_t>(), "max_draft"_a)
         .def("__init__", [](draft_policy * p, int32_t max_draft, std::vector<double> verify_ms,
-                            std::vector<double> draft_ms, bool shadow, double head_row_ms) {
-                 const dflash::step_costs costs{ std::move(verify_ms), std::move(draft_ms), head_row_ms };
+                            std::vector<double> draft_ms, bool shadow, double head_row_ms, double head_pass_ms) {
+                 const dflash::step_costs costs{ std::move(verify_ms), std::move(draft_ms), head_row_ms, head_pass_ms };
                  new (p) draft_policy(max_draft, &costs, shadow);
-             }, "max_draft"_a, "verify_ms"_a, "draft_ms"_a, "shadow"_a, "head_row_ms"_a = 0.0)
+             }, "max_draft"_a, "verify_ms"_a, "draft_ms"_a, "shadow"_a, "head_row_ms"_a = 0.0, "head_pass_ms"_a = 0.0)
         .def("resume", &draft_policy::resume, "earlier"_a)
         .def_prop_ro("probe_wait", &draft_policy::probe_wait)
         .def("choose", nb::overload_cast<>(&draft_policy::choose))
@@ -169,7 +169,8 @@ void bind_draft_policy(nb::module_ & m) {
                  return nb::make_tuple(std::string(dflash::source_name(c.source)), c.n);
              }, "ngram_len"_a, "match"_a = 0)
         .def("observe_ngram", &draft_policy::observe_ngram, "m"_a, "accepted"_a, "t_verify_ms"_a)
-        .def("observe_head", &draft_policy::observe_head, "rows"_a, "t_ms"_a)
+        .def("observe_head", &draft_policy::observe_head, "rows"_a, "batches"_a, "t_ms"_a)
+        .def_prop_ro("head_batch", &draft_policy::head_batch)
         .def("expected_ngram_ms", &draft_policy::expected_ngram_ms, "m"_a, "match"_a = 0)
         .def("expected_ngram_tokens", &draft_policy::expected_ngram_tokens, "m"_a, "match"_a = 0)
         .def("take_shadow", &draft_policy::take_shadow)
@@ -327,7 +328,7 @@ void bind_engine(nb::module_ & m) {
         .def("step_costs", [](const engine & e, int32_t block_size) -> nb::object {
                  const dflash::step_costs * c = e.measured_step_costs(block_size);
                  if (c == nullptr) return nb::none();
-                 return nb::make_tuple(c->verify, c->draft, c->head_row);
+                 return nb::make_tuple(c->verify, c->draft, c->head_row, c->head_pass);
              }, "block_size"_a)
         .def("forget_policy", &engine::forget_policy)
         .def("remeasure_threads", &engine::remeasure_threads)

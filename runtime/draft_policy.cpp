@@ -1,6 +1,7 @@
 #include "draft_policy.h"
 
 #include <algorithm>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -43,7 +44,10 @@ draft_policy::draft_policy(int32_t max_draft, const step_costs * costs, bool sha
     for (size_t n = 1; n < costs->draft.size() && n <= (size_t) max_draft; ++n) {
         if (costs->draft[n] > 0.0) draft_[n].add(costs->draft[n]);
     }
-    if (costs->head_row > 0.0) row_.add(costs->head_row);
+    if (costs->head_row > 0.0) {
+        row_.add(costs->head_row);
+        pass_ = std::max(costs->head_pass, 0.0);
+    }
     if (!verify_[1].seen || std::none_of(draft_.begin(), draft_.end(), [](const average & a) { return a.seen; })) {
         throw std::invalid_argument("draft_policy: step costs need a plain step's time and a draft forward's");
     }
@@ -60,6 +64,7 @@ void draft_policy::resume(const draft_policy & earlier) {
     verify_      = earlier.verify_;
     draft_       = earlier.draft_;
     row_         = earlier.row_;
+    pass_        = earlier.pass_;
     hits_        = earlier.hits_;
     tries_       = earlier.tries_;
     std::copy(std::begin(earlier.ngram_), std::end(earlier.ngram_), std::begin(ngram_));
@@ -72,15 +77,27 @@ void draft_policy::resume(const draft_policy & earlier) {
 
 // E(n) = 1 + sum_{i<=n} prod_{j<=i} c_j, each c_j the decayed hit rate of position j pulled towards
 // the estimate of position j - 1 (of position 1: kFirstAcceptance) with weight kPriorWeight.
-double draft_policy::chained(const std::vector<double> & hits, const std::vector<double> & tries, int32_t n,
-                             double prior) {
-    double e = 1.0, run = 1.0, c = prior;
+std::vector<double> draft_policy::reads(const std::vector<double> & hits, const std::vector<double> & tries, int32_t n,
+                                        double prior) {
+    std::vector<double> r((size_t) n + 1, 1.0);
+    double c = prior;
     for (int32_t i = 1; i <= n; ++i) {
         c = (hits[i] + kPriorWeight * c) / (tries[i] + kPriorWeight);
-        run *= c;
-        e += run;
+        r[i] = r[i - 1] * c;
     }
-    return e;
+    return r;
+}
+
+double draft_policy::chained(const std::vector<double> & hits, const std::vector<double> & tries, int32_t n,
+                             double prior) {
+    const std::vector<double> r = reads(hits, tries, n, prior);
+    return std::accumulate(r.begin(), r.end(), 0.0);
+}
+
+std::vector<double> draft_policy::draft_reads(int32_t n) const { return reads(hits_, tries_, n, kFirstAcceptance); }
+
+std::vector<double> draft_policy::ngram_reads(int32_t cls, int32_t m) const {
+    return reads(ngram_[cls].hits, ngram_[cls].tries, m, kNgramPrior[cls]);
 }
 
 double draft_policy::expected_tokens(int32_t n) const { return chained(hits_, tries_, n, kFirstAcceptance); }
@@ -126,18 +143,39 @@ double draft_policy::draft_ms(int32_t n) const {
     return verify_ms(1);
 }
 
-double draft_policy::verify_step_ms(int32_t k, double tokens) const {
+// Each first batch b = 1..k against the rows' chances of being read; then the target's doubling
+// (target_runner::logits: rows i..2i-1 when row i is read and not computed).
+draft_policy::head_plan draft_policy::plan_head(const std::vector<double> & reads) const {
+    const int32_t k = (int32_t) reads.size();
+    head_plan plan;
+    if (!row_.seen || k == 0) {
+        return plan;
+    }
+    auto batch_ms = [this](int32_t rows) { return pass_ms() + row_ms() * rows; };
+    for (int32_t b = 1; b <= k; ++b) {
+        double ms = batch_ms(b);
+        for (int32_t i = b; i < k; i += std::max(1, i)) {
+            ms += reads[i] * batch_ms(std::min(std::max(1, i), k - i));
+        }
+        if (b == 1 || ms < plan.ms) {
+            plan = { b, ms };
+        }
+    }
+    return plan;
+}
+
+double draft_policy::verify_step_ms(int32_t k, const std::vector<double> & reads) const {
     const double t = verify_ms(k);
-    return t > 0.0 ? t + row_ms() * tokens : 0.0;
+    return t > 0.0 ? t + plan_head(reads).ms : 0.0;
 }
 
 double draft_policy::expected_ms(int32_t n) const {
     const double t1 = verify_ms(1);
     if (t1 <= 0.0) return 0.0;
-    return n == 0 ? t1 : draft_ms(n) + verify_step_ms(n + 1, expected_tokens(n));
+    return n == 0 ? t1 : draft_ms(n) + verify_step_ms(n + 1, draft_reads(n));
 }
 
-double draft_policy::ngram_ms(int32_t cls, int32_t m) const { return verify_step_ms(m + 1, ngram_tokens(cls, m)); }
+double draft_policy::ngram_ms(int32_t cls, int32_t m) const { return verify_step_ms(m + 1, ngram_reads(cls, m)); }
 
 double draft_policy::expected_ngram_ms(int32_t m, int32_t match) const {
     return ngram_ms(match_class(match), std::min(m, kNgramMax));
@@ -214,12 +252,13 @@ step_choice draft_policy::choose(int32_t ngram_len, int32_t match) {
         const bool faster = ms > 0.0 && ngram_tokens(cls, m) / ms > rival;
         bool could = false;  // a proposal accepted in full would be faster: worth a probe
         for (int32_t k = 1; k <= std::min(ngram_len, max_draft_) && !could; ++k) {
-            const double full = verify_step_ms(k + 1, k + 1);
+            const double full = verify_step_ms(k + 1, std::vector<double>((size_t) k + 1, 1.0));
             could = full > 0.0 && (k + 1) / full > rival;
         }
         if (faster || (could && r.countdown == 0)) {
             ngram_probing_ = !faster;
             ngram_class_   = cls;
+            head_batch_    = plan_head(ngram_reads(cls, m)).batch;
             return { step_source::ngram, m };
         }
         r.countdown -= could && r.countdown > 0 ? 1 : 0;
@@ -254,6 +293,7 @@ int32_t draft_policy::choose() {
             countdown_  = interval_ - 1;
         }
     }
+    head_batch_ = n > 0 ? plan_head(draft_reads(n)).batch : 1;
     return n;
 }
 
@@ -268,7 +308,7 @@ double draft_policy::perfect_speedup() const {
     const double plain = expected_ms(0);
     double top = 0.0;
     for (int32_t n = 1; n <= max_draft_ && plain > 0.0; ++n) {
-        const double ms = draft_ms(n) + verify_step_ms(n + 1, n + 1);
+        const double ms = draft_ms(n) + verify_step_ms(n + 1, std::vector<double>((size_t) n + 1, 1.0));
         if (verify_ms(n + 1) > 0.0) top = std::max(top, (n + 1) * plain / ms);
     }
     return top;
@@ -341,11 +381,12 @@ void draft_policy::observe_ngram(int32_t m, int32_t accepted, double t_verify_ms
     }
 }
 
-void draft_policy::observe_head(int32_t rows, double t_ms) {
-    if (rows < 1 || t_ms < 0.0) {
-        throw std::invalid_argument("draft_policy: " + std::to_string(rows) + " head rows in " + std::to_string(t_ms) + " ms");
+void draft_policy::observe_head(int32_t rows, int32_t batches, double t_ms) {
+    if (rows < 1 || batches < 1 || batches > rows || t_ms < 0.0) {
+        throw std::invalid_argument("draft_policy: " + std::to_string(rows) + " head rows in " + std::to_string(batches) +
+                                    " batches in " + std::to_string(t_ms) + " ms");
     }
-    row_.add(t_ms / rows);
+    row_.add(std::max(0.0, t_ms - pass_ * batches) / rows);
 }
 
 void draft_policy::observe_shadow(int32_t n, int32_t matched, bool settled, double t_draft_ms) {
@@ -436,7 +477,8 @@ bool draft_policy::keep_slot(int32_t i, float c) {
     }
     const double run = gate_run_ * calibration_(c);
     // the head's rows: one per token the step is expected to produce, the slot adding `run` of them
-    const double t_before = draft_ms(gate_n_) + verify_step_ms(i + 1, gate_tokens_);
+    // (its rows taken as one batch)
+    const double t_before = draft_ms(gate_n_) + verify_ms(i + 1) + pass_ms() + row_ms() * gate_tokens_;
     const double extra    = verify_ms(i + 2) - verify_ms(i + 1) + row_ms() * run;
     if (extra > 0.0 && run * t_before <= gate_tokens_ * extra) {
         summary_.confidence_cut += gate_n_ - i;

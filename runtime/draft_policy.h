@@ -50,12 +50,20 @@
 // verified slot and from shadow probes, whose slots are never cut; the summary sets what it expected
 // beside what the position estimate expected and what was accepted.
 //
-// A target whose output head we compute (output_head.h) pays it per logits row read, not per token
-// verified: a verify reads rows up to the first rejection. Then t_verify(k) is the target's decode of
-// k tokens without its head, each step adds t_row for each token it produces (E rows read), and a
-// plain step's time is its whole (decode and one row):
+// A target whose output head we compute (output_head.h) pays it per logits row computed, not per
+// token verified: a verify reads rows up to the first rejection. Then t_verify(k) is the target's
+// decode of k tokens without its head, and the head computes rows in batches: a batch of r rows costs
 //
-//   speed(N) = E(N) / (t_draft(N) + t_verify(N+1) + t_row * E(N))
+//   t_head(r) = t_pass + t_row * r      (t_pass: streaming the head's weights once, whatever r)
+//
+// A step computes its first b rows in one batch, then, while its rows are accepted, rows b..2b-1,
+// 2b..4b-1, ... (each batch as long as the rows before it). Row i is read with the chance R_i that its
+// first i proposals are accepted (R_0 = 1, sum_i R_i = E(N)), so a batch starting at row s is paid
+// with chance R_s; the loop takes the b of the least expected head time (head_batch()): a whole batch
+// where acceptance is high (one pass over the weights), row by row where it is low. A plain step's
+// time is its whole (decode and one row):
+//
+//   speed(N) = E(N) / (t_draft(N) + t_verify(N+1) + min_b sum_{batches} R_s * t_head(size))
 //
 // Costs are exponential averages per size; sizes not yet seen are interpolated linearly between
 // seen ones. Acceptance counts decay (by kDecay a step, plain steps too) so that they follow the text
@@ -82,6 +90,7 @@ struct step_costs {
     std::vector<double> verify;  // [k]: one target decode of k tokens (k = 1: a plain step), k = 1..
     std::vector<double> draft;   // [n]: a draft forward of n proposals with an injection, n = 1..
     double head_row = 0.0;       // a logits row of our output head after a verify (0: in the decode)
+    double head_pass = 0.0;      // ... and each batch of its rows beyond them (t_head(r) = head_pass + head_row * r)
 };
 
 // Where the tokens a step verifies after the last one come from.
@@ -171,9 +180,11 @@ public:
     void observe_draft(int32_t n, int32_t accepted, double t_draft_ms, double t_verify_ms);
     // The n-gram proposal chosen, m tokens verified (m + 1 tokens in one target decode), `accepted` of them.
     void observe_ngram(int32_t m, int32_t accepted, double t_verify_ms);
-    // After a verify whose logits our output head computed: `rows` rows in `t_ms` (t_verify_ms above
-    // is then the decode alone).
-    void observe_head(int32_t rows, double t_ms);
+    // After a verify whose logits our output head computed: `rows` rows in `batches` batches in `t_ms`
+    // (t_verify_ms above is then the decode alone).
+    void observe_head(int32_t rows, int32_t batches, double t_ms);
+    // The rows of the chosen step's verify to compute in one batch first (1: row by row, doubling).
+    int32_t head_batch() const { return head_batch_; }
     // A shadow probe of n proposals: its first `matched` equal the tokens produced after it; settled:
     // proposal matched + 1 was seen to differ (or all n matched), else the sequence ended first.
     void observe_shadow(int32_t n, int32_t matched, bool settled, double t_draft_ms);
@@ -204,7 +215,7 @@ public:
     static constexpr int32_t kProbeGrowth  = 4;   // the wait after each further one
     static constexpr int32_t kProbeMax     = 256;
     static constexpr double  kSwitchMargin = 0.1;  // a probe ends plain mode when drafting is this much faster
-    static constexpr int32_t kNgramMax     = 32;   // the longest n-gram proposal verified
+    static constexpr int32_t kNgramMax     = 64;   // the longest n-gram proposal verified
     static constexpr int32_t kMatchMedium  = 6;    // match lengths of the n-gram classes: short below this,
     static constexpr int32_t kMatchLong    = 16;   // long from this (a copy), medium between
     static int32_t match_class(int32_t match) { return match >= kMatchLong ? 2 : match >= kMatchMedium ? 1 : 0; }
@@ -219,12 +230,21 @@ private:
     int32_t best(int32_t n_min) const;
     int32_t best_ngram(int32_t max_len, int32_t cls) const;
     double  ngram_tokens(int32_t cls, int32_t m) const;
+    std::vector<double> ngram_reads(int32_t cls, int32_t m) const;
+    std::vector<double> draft_reads(int32_t n) const;
     double  draft_side_speed() const;  // tokens/ms of what choose() would do now (plain, or drafting that pays)
     bool    pays(int32_t n) const;
     double  verify_ms(int32_t k) const;   // k tokens in one target decode; k = 1 is a plain step
     double  row_ms() const { return row_.seen ? row_.value : 0.0; }
-    // a verify of k tokens expected to produce `tokens`: the decode and the head's rows
-    double  verify_step_ms(int32_t k, double tokens) const;
+    double  pass_ms() const { return row_.seen ? pass_ : 0.0; }
+    struct head_plan {
+        int32_t batch = 1;  // rows computed in the first batch
+        double  ms    = 0.0;  // expected head time
+    };
+    // the head's batches for a verify whose row i is read with chance reads[i] (reads.size() rows)
+    head_plan plan_head(const std::vector<double> & reads) const;
+    // a verify of k tokens whose rows are read with these chances: the decode and the head's rows
+    double  verify_step_ms(int32_t k, const std::vector<double> & reads) const;
     double  ngram_ms(int32_t cls, int32_t m) const;
     double  draft_ms(int32_t n) const;
     void    note_step(int32_t n);
@@ -232,12 +252,17 @@ private:
     static void tally(std::vector<double> & hits, std::vector<double> & tries, int32_t n, int32_t accepted, bool settled);
     static double chained(const std::vector<double> & hits, const std::vector<double> & tries, int32_t n,
                           double prior);
+    // R_i, i = 0..n: the chance that the first i proposals are all accepted (chained's terms)
+    static std::vector<double> reads(const std::vector<double> & hits, const std::vector<double> & tries, int32_t n,
+                                     double prior);
     void    end_probe();
 
     int32_t max_draft_;
     std::vector<average> verify_;   // [k], k = 1..max(max_draft, kNgramMax) + 1
     std::vector<average> draft_;    // [n], n = 1..max_draft
     average              row_;      // a logits row of our output head (unseen: it is in the decode)
+    double               pass_ = 0.0;  // a batch of its rows beyond them (measured beforehand; 0: unknown)
+    int32_t              head_batch_ = 1;
     std::vector<double>  hits_, tries_;  // decayed counts per position [j], j = 1..max_draft
     struct ngram_record {           // one class of n-gram proposals (match_class)
         std::vector<double> hits  = std::vector<double>(kNgramMax + 1, 0.0);  // [j], j = 1..kNgramMax

@@ -269,6 +269,7 @@ struct spec_loop {
     std::optional<ngram_index> ngrams;  // the prompt and every committed token (the n-gram source on)
     draft_policy *          gate = nullptr;  // the adaptive loop's confidence gate (on: its policy)
     std::vector<float>      confidences;     // of the slots the last propose() kept (a confidence head)
+    int32_t                 head_batch = 1;  // the next verify's rows our head computes at once (draft_policy)
 
     // Draft up to n tokens after `last` in one block forward; they follow `last` in `verify` (fewer
     // when a confidence head cuts the draft). The adaptive loop's block holds only the positions it
@@ -299,6 +300,7 @@ struct spec_loop {
         const int32_t n = (int32_t) drafted.size();
         int32_t accepted = 0;
         if (sp.greedy()) {
+            if (head_batch > 1) target.prefetch_logits(0, std::min(head_batch, n + 1));
             while (accepted < n && drafted[accepted] == argmax(target.logits(accepted), n_vocab)) ++accepted;
             next = argmax(target.logits(accepted), n_vocab);
             return accepted;
@@ -325,15 +327,17 @@ struct spec_loop {
 
     // What our output head computed for the last verify (rows 0: llama.cpp's head, inside the decode).
     struct head_use {
-        int64_t rows = 0;
-        double  ms   = 0.0;
+        int64_t rows    = 0;
+        int64_t batches = 0;
+        double  ms      = 0.0;
     } head;
     struct head_mark {
         const target_runner & t;
-        int64_t rows0;
+        int64_t rows0, batches0;
         double  ms0;
-        explicit head_mark(const target_runner & t) : t(t), rows0(t.head_rows()), ms0(t.head_ms()) {}
-        head_use since() const { return { t.head_rows() - rows0, t.head_ms() - ms0 }; }
+        explicit head_mark(const target_runner & t)
+            : t(t), rows0(t.head_rows()), batches0(t.head_batches()), ms0(t.head_ms()) {}
+        head_use since() const { return { t.head_rows() - rows0, t.head_batches() - batches0, t.head_ms() - ms0 }; }
     };
 
     // N = 0: one target decode of `last`, no draft forward; its features wait in `pending`.
@@ -521,12 +525,19 @@ step_costs measure_step_costs(target_runner & target, draft_runner & draft, int3
             target.rollback(0);
         });
     }
-    if (target.lazy_head()) {  // every row of a verify of the block, read in order as an accept does
-        const double t = timed([&] { a_draft_step(); target.rollback(0); target.decode(tokens.data(), max_verify, 0, true); }, [&] {
-            for (int32_t i = 0; i < max_verify; ++i) target.logits(i);
-        });
+    if (target.lazy_head()) {  // a batch of one row and one of the block's rows: t_head(r) = pass + row * r
+        auto head_batch = [&](int32_t rows) {
+            return timed([&] { a_draft_step(); target.rollback(0); target.decode(tokens.data(), max_verify, 0, true); },
+                         [&] { target.prefetch_logits(0, rows); });
+        };
+        const double t1 = head_batch(1), t_all = head_batch(max_verify);
         target.rollback(0);
-        costs.head_row = t / max_verify;
+        costs.head_row  = std::max(t_all - t1, 0.0) / (max_verify - 1);
+        costs.head_pass = std::max(t1 - costs.head_row, 0.0);
+        if (costs.head_row <= 0.0) {  // a batch no dearer than a row (noise): every row its own share
+            costs.head_row  = t_all / max_verify;
+            costs.head_pass = 0.0;
+        }
     }
     // the draft step as the loop takes it: the injection of a step's tokens (two here), then the
     // block, over a context of kContext positions (attention over it is part of the cost), then the
@@ -625,12 +636,13 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
         const ngram_proposal proposal = loop.ngrams ? loop.ngrams->propose_match(std::min(draft_policy::kNgramMax, room))
                                                     : ngram_proposal{};
         const step_choice choice = policy.choose((int32_t) proposal.tokens.size(), proposal.match);
+        loop.head_batch = policy.head_batch();
         const int32_t n = std::min(choice.n, room);
         if (choice.source == step_source::ngram) {
             const auto [t_verify, accepted] =
                 loop.ngram_step(std::vector<int32_t>(proposal.tokens.begin(), proposal.tokens.begin() + n), on_tokens);
             policy.observe_ngram(n, accepted, t_verify);
-            if (loop.head.rows > 0) policy.observe_head((int32_t) loop.head.rows, loop.head.ms);
+            if (loop.head.rows > 0) policy.observe_head((int32_t) loop.head.rows, (int32_t) loop.head.batches, loop.head.ms);
         } else if (n == 0) {
             policy.observe_plain(loop.plain_step(on_tokens));
         } else {
@@ -638,7 +650,7 @@ generate_result generate_speculative(target_runner & target, draft_runner & draf
             if (drafted > 0) {
                 if (loop.gate != nullptr) policy.observe_confidence(loop.confidences, accepted, true, false);
                 policy.observe_draft(drafted, accepted, t_draft, t_verify);
-                if (loop.head.rows > 0) policy.observe_head((int32_t) loop.head.rows, loop.head.ms);
+                if (loop.head.rows > 0) policy.observe_head((int32_t) loop.head.rows, (int32_t) loop.head.batches, loop.head.ms);
             } else {  // a confidence head cut the whole draft: the verify was a plain decode
                 policy.observe_plain(t_verify + loop.head.ms);
             }

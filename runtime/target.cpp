@@ -406,6 +406,7 @@ void target_runner::compute_missing(int32_t i0, int32_t n) {
     head_->compute(norm_rows_.data() + (size_t) (norm_base_ + i0) * n_embd_, n, lazy_logits_.data() + (size_t) i0 * n_vocab_);
     std::fill(row_ready_.begin() + i0, row_ready_.begin() + i0 + n, 1);
     head_rows_ += n;
+    head_batches_ += 1;
     head_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 

@@ -62,6 +62,7 @@ public:
     const char * head_name() const;
     double  head_ms()   const { return head_ms_; }
     int64_t head_rows() const { return head_rows_; }
+    int64_t head_batches() const { return head_batches_; }  // calls of the head (a batch of rows each)
     void   set_threads(int32_t n_threads);
 
     // One decode of tokens from several sequences (n_seq > 1); logits(i) then gives the i-th token
@@ -152,6 +153,7 @@ private:
     int32_t              norm_base_ = 0;          // norm_rows_ row of logits row 0
     double               head_ms_ = 0.0;
     int64_t              head_rows_ = 0;
+    int64_t              head_batches_ = 0;
 };
 
 } // namespace dflash

@@ -109,19 +109,77 @@ def test_expected_tokens_from_decayed_acceptance_counts():
     assert p.expected_tokens(3) == pytest.approx(1 + c1 + c1 * c2 + c1 * c2 * c2)
 
 
+def _reads(expected_tokens, n):
+    """R_i, i = 0..n: the chance that row i of a verify is read (its first i proposals accepted)."""
+    return [1.0] + [expected_tokens(i) - expected_tokens(i - 1) for i in range(1, n + 1)]
+
+
+def _head_ms(reads, b, t_pass, t_row):
+    """The expected head time of a verify whose row i is read with chance reads[i]: a first batch of b
+    rows, then rows i..2i-1 each time row i is read and not yet computed (the target's doubling)."""
+    k = len(reads)
+    ms, i = t_pass + t_row * b, b
+    while i < k:
+        size = min(max(1, i), k - i)
+        ms += reads[i] * (t_pass + t_row * size)
+        i += size
+    return ms
+
+
 def test_our_head_is_paid_per_row_read():
     """With our output head a verify's decode stops before the head, and each step pays a row per token
     it produces (a verify reads rows up to its first rejection), not per token verified."""
     p = _core.DraftPolicy(3, verify_ms=[0.0, 10.0, 8.0, 9.0, 10.0], draft_ms=[0.0, 2.0, 2.0, 2.0], shadow=True,
                           head_row_ms=3.0)
-    for n in (1, 3):
-        assert p.expected_ms(n) == pytest.approx(2.0 + [8.0, 9.0, 10.0][n - 1] + 3.0 * p.expected_tokens(n))
-    assert p.expected_ngram_ms(2, 20) == pytest.approx(9.0 + 3.0 * p.expected_ngram_tokens(2, 20))
+    for n in (1, 3):  # rows computed: the first, then each batch its reading asks for
+        reads = _reads(p.expected_tokens, n)
+        head = min(_head_ms(reads, b, 0.0, 3.0) for b in range(1, n + 2))
+        assert p.expected_ms(n) == pytest.approx(2.0 + [8.0, 9.0, 10.0][n - 1] + head)
+    assert p.expected_ms(1) == pytest.approx(2.0 + 8.0 + 3.0 * p.expected_tokens(1))  # two rows: a row per row read
+    ngram_reads = _reads(lambda m: p.expected_ngram_tokens(m, 20), 2)
+    assert p.expected_ngram_ms(2, 20) == pytest.approx(9.0 + 3.0 * sum(ngram_reads))  # 3 rows, each computed once read
     assert p.expected_ms(0) == 10.0  # a plain step: its decode and its row, as measured
-    p.observe_head(4, 4.0)  # 1 ms a row: the average moves by kCostWeight
-    assert p.expected_ngram_ms(2, 20) == pytest.approx(9.0 + (3.0 - 0.2 * 2.0) * p.expected_ngram_tokens(2, 20))
-    with pytest.raises(ValueError, match=r"^draft_policy: 0 head rows in 1\.000000 ms$"):
-        p.observe_head(0, 1.0)
+    p.observe_head(4, 2, 4.0)  # 1 ms a row: the average moves by kCostWeight
+    assert p.expected_ngram_ms(2, 20) == pytest.approx(9.0 + (3.0 - 0.2 * 2.0) * sum(ngram_reads))
+    with pytest.raises(ValueError, match=r"^draft_policy: 0 head rows in 1 batches in 1\.000000 ms$"):
+        p.observe_head(0, 1, 1.0)
+    with pytest.raises(ValueError, match=r"^draft_policy: 2 head rows in 3 batches in 1\.000000 ms$"):
+        p.observe_head(2, 3, 1.0)
+
+
+def test_the_head_computes_rows_in_the_batch_of_least_expected_time():
+    """A batch of r rows costs t_pass + r * t_row (the weights stream once per batch): a proposal that is
+    nearly always accepted has its rows computed in one batch, a draft that is mostly rejected row by
+    row; the step's expected time is that batch plan's."""
+    t_pass, t_row = 4.0, 3.0
+    p = _core.DraftPolicy(7, verify_ms=[0.0, 14.0, 10.0, 12.0, 14.0, 16.0, 18.0, 20.0, 22.0],
+                          draft_ms=[0.0] + [2.0] * 7, shadow=True, head_row_ms=t_row, head_pass_ms=t_pass)
+    p.choose()
+    p.observe_plain(14.0)
+    for _ in range(30):  # a long match: every proposal accepted in full
+        assert p.choose_step(7, 40)[0] == "ngram"
+        p.observe_ngram(7, 7, 22.0)
+    step = p.choose_step(7, 40)
+    assert step == ("ngram", 7)
+    assert p.head_batch == 8  # all eight rows at once
+    # its expected time: the decode of 8 tokens and one batch of 8 rows
+    reads = _reads(lambda m: p.expected_ngram_tokens(m, 40), 7)
+    assert min(reads) > 0.9
+    assert p.expected_ngram_ms(7, 40) == pytest.approx(22.0 + t_pass + t_row * 8)
+    assert _head_ms(reads, 8, t_pass, t_row) < min(_head_ms(reads, b, t_pass, t_row) for b in range(1, 8))
+
+    q = _core.DraftPolicy(7, verify_ms=[0.0, 14.0, 10.0, 12.0, 14.0, 16.0, 18.0, 20.0, 22.0],
+                          draft_ms=[0.0] + [2.0] * 7, shadow=True, head_row_ms=t_row, head_pass_ms=t_pass)
+    q.choose()
+    q.observe_plain(14.0)
+    for _ in range(30):  # the first drafted token right one time in ten
+        q.observe_draft(3, 0, 2.0, 12.0)
+        q.observe_draft(3, 1, 2.0, 12.0) if _ % 10 == 0 else None
+    c1 = q.expected_tokens(1) - 1.0  # the chance that row 1 is read
+    reads = [1.0, c1]
+    best = min(range(1, 3), key=lambda b: (_head_ms(reads, b, t_pass, t_row), b))
+    assert best == 1
+    assert q.expected_ms(1) == pytest.approx(2.0 + 10.0 + _head_ms(reads, 1, t_pass, t_row))
 
 
 def test_bad_values_are_refused():
@@ -347,12 +405,13 @@ def test_long_and_short_matches_are_judged_apart_and_long_ones_verified_past_the
     """Every other proposal comes from a match of 20 tokens and is always right, the others from a match
     of 2 and never are: the short ones stop being verified after their probe, the long ones are verified
     on their prior at once, then at twice the furthest position verified (past the block of 8) up to
-    the longest proposal (32)."""
-    costs = [0.0] + [10.0 + 7.0 * (k - 1) for k in range(1, 34)]  # a verify of 2 costs 1.7 plain steps
+    the longest proposal (NGRAM_MAX, 64)."""
+    assert _core.NGRAM_MAX == 64
+    costs = [0.0] + [10.0 + 7.0 * (k - 1) for k in range(1, 66)]  # a verify of 2 costs 1.7 plain steps
     p = _core.DraftPolicy(7, verify_ms=costs[:9], draft_ms=[0.0] + [4.0] * 7, shadow=True)
     chosen = []
     for i in range(20):
-        source, n = p.choose_step(32, 20 if i % 2 else 2)
+        source, n = p.choose_step(64, 20 if i % 2 else 2)
         chosen.append((source, n))
         if source == "ngram":
             p.observe_ngram(n, n if i % 2 else 0, costs[n + 1])
@@ -361,13 +420,13 @@ def test_long_and_short_matches_are_judged_apart_and_long_ones_verified_past_the
             if (k := p.take_shadow()) > 0:
                 p.observe_shadow(k, 0, True, 4.0)
     assert chosen[0::2] == [("ngram", 1)] + [("plain", 0)] * 9
-    assert [n for _, n in chosen[1::2]] == [1, 2, 4, 8, 16, 32, 32, 32, 32, 32]
-    assert (p.summary.ngram_steps, p.summary.ngram_drafted, p.summary.ngram_accepted) == (11, 192, 191)
+    assert [n for _, n in chosen[1::2]] == [1, 2, 4, 8, 16, 32, 64, 64, 64, 64]
+    assert (p.summary.ngram_steps, p.summary.ngram_drafted, p.summary.ngram_accepted) == (11, 320, 319)
     # each class has its own record: a match of 6..15 tokens has seen nothing yet (its prior, 0.7)
     assert p.expected_ngram_tokens(7, 20) > 7.8 and p.expected_ngram_tokens(7, 2) < 1.6
     assert p.expected_ngram_tokens(1, 8) == pytest.approx(1.7)
-    with pytest.raises(ValueError, match="draft_policy: an n-gram step of 33 proposed, 0 accepted"):
-        p.observe_ngram(33, 0, 10.0)
+    with pytest.raises(ValueError, match="draft_policy: an n-gram step of 65 proposed, 0 accepted"):
+        p.observe_ngram(65, 0, 10.0)
 
 
 def test_the_confidence_gate_keeps_slots_while_they_pay_and_learns_a_head_that_is_wrong():

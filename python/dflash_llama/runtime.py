@@ -437,15 +437,17 @@ class Runtime:
         """What the adaptive loop measured on this machine before its first generation at this block
         size (default: the draft's): `verify_ms[k]`, one target decode of k tokens (k = 1: a plain
         step), `draft_ms[n]`, a draft step of n proposals (a block of n + 1 positions, with the
-        injection of a step's two tokens), 0.0 for sizes it interpolates; and `head_row_ms`, a logits
-        row of the runtime's own output head after a verify (0.0 where llama.cpp's head computes
-        every row inside the decode, which verify_ms then includes). None before that generation."""
+        injection of a step's two tokens), 0.0 for sizes it interpolates; and the runtime's own output
+        head after a verify: a batch of r logits rows costs `head_pass_ms` + r * `head_row_ms` (both 0.0
+        where llama.cpp's head computes every row inside the decode, which verify_ms then includes).
+        None before that generation."""
         bs = self.block_size if block_size is None else c_int("block_size", block_size)
         costs = self._compute.call(lambda: self._engine.step_costs(bs))
         if costs is None:
             return None
-        verify, draft, head_row = costs
-        return {"block_size": bs, "verify_ms": list(verify), "draft_ms": list(draft), "head_row_ms": head_row}
+        verify, draft, head_row, head_pass = costs
+        return {"block_size": bs, "verify_ms": list(verify), "draft_ms": list(draft), "head_row_ms": head_row,
+                "head_pass_ms": head_pass}
 
     def autoregressive(self, prompt: str | bytes | Sequence[int], max_new_tokens: int = 128, *,
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
