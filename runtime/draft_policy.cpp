@@ -145,8 +145,8 @@ double draft_policy::draft_ms(int32_t n) const {
 
 // Each first batch b = 1..k against the rows' chances of being read; then the target's doubling
 // (target_runner::logits: rows i..2i-1 when row i is read and not computed).
-draft_policy::head_plan draft_policy::plan_head(const std::vector<double> & reads) const {
-    const int32_t k = (int32_t) reads.size();
+draft_policy::head_plan draft_policy::plan_head(const std::vector<double> & reads, int32_t k) const {
+    k = k < 0 ? (int32_t) reads.size() : std::min(k, (int32_t) reads.size());
     head_plan plan;
     if (!row_.seen || k == 0) {
         return plan;
@@ -210,11 +210,16 @@ void draft_policy::note_step(int32_t n) {
 // verified inherits the estimate of the one before it, which a single lucky step can inflate.
 int32_t draft_policy::best_ngram(int32_t max_len, int32_t cls) const {
     const int32_t reach = std::max(max_draft_, 2 * ngram_[cls].reach);
+    const int32_t longest = std::min({ max_len, reach, kNgramMax });
+    const std::vector<double> r = ngram_reads(cls, std::max(longest, 1));  // every m's rows: a prefix of these
     int32_t pick = 1;
     double  top  = -1.0;
-    for (int32_t m = 1; m <= std::min({ max_len, reach, kNgramMax }); ++m) {
-        const double ms = ngram_ms(cls, m);
-        const double speed = ms > 0.0 ? ngram_tokens(cls, m) / ms : 0.0;
+    double  tokens = r[0];
+    for (int32_t m = 1; m <= longest; ++m) {
+        tokens += r[m];  // ngram_tokens(cls, m)
+        const double t  = verify_ms(m + 1);
+        const double ms = t > 0.0 ? t + plan_head(r, m + 1).ms : 0.0;  // ngram_ms(cls, m)
+        const double speed = ms > 0.0 ? tokens / ms : 0.0;
         if (speed > top) {
             top  = speed;
             pick = m;

@@ -241,8 +241,8 @@ private:
         int32_t batch = 1;  // rows computed in the first batch
         double  ms    = 0.0;  // expected head time
     };
-    // the head's batches for a verify whose row i is read with chance reads[i] (reads.size() rows)
-    head_plan plan_head(const std::vector<double> & reads) const;
+    // the head's batches for a verify of k rows (-1: reads.size()), row i read with chance reads[i]
+    head_plan plan_head(const std::vector<double> & reads, int32_t k = -1) const;
     // a verify of k tokens whose rows are read with these chances: the decode and the head's rows
     double  verify_step_ms(int32_t k, const std::vector<double> & reads) const;
     double  ngram_ms(int32_t cls, int32_t m) const;
