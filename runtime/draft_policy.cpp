@@ -166,7 +166,7 @@ draft_policy::head_plan draft_policy::plan_head(const std::vector<double> & read
 
 double draft_policy::verify_step_ms(int32_t k, const std::vector<double> & reads) const {
     const double t = verify_ms(k);
-    return t > 0.0 ? t + plan_head(reads).ms : 0.0;
+    return t > 0.0 ? t + plan_head(reads, k).ms : 0.0;
 }
 
 double draft_policy::expected_ms(int32_t n) const {
@@ -217,8 +217,7 @@ int32_t draft_policy::best_ngram(int32_t max_len, int32_t cls) const {
     double  tokens = r[0];
     for (int32_t m = 1; m <= longest; ++m) {
         tokens += r[m];  // ngram_tokens(cls, m)
-        const double t  = verify_ms(m + 1);
-        const double ms = t > 0.0 ? t + plan_head(r, m + 1).ms : 0.0;  // ngram_ms(cls, m)
+        const double ms = verify_step_ms(m + 1, r);  // ngram_ms(cls, m): the first m + 1 reads
         const double speed = ms > 0.0 ? tokens / ms : 0.0;
         if (speed > top) {
             top  = speed;

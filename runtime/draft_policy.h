@@ -243,7 +243,7 @@ private:
     };
     // the head's batches for a verify of k rows (-1: reads.size()), row i read with chance reads[i]
     head_plan plan_head(const std::vector<double> & reads, int32_t k = -1) const;
-    // a verify of k tokens whose rows are read with these chances: the decode and the head's rows
+    // a verify of k tokens whose rows are read with chances reads[0..k-1]: the decode and the head's rows
     double  verify_step_ms(int32_t k, const std::vector<double> & reads) const;
     double  ngram_ms(int32_t cls, int32_t m) const;
     double  draft_ms(int32_t n) const;
